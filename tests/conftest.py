@@ -1,0 +1,45 @@
+"""Shared fixtures: a tiny random-weight model (fast, no download) and the real
+embedded default model (slow tests only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenflow.testing import build_tiny_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama with GQA and a trained byte-level BPE tokenizer."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The embedded default (SmolLM2-135M-Instruct), fetched and converted once per machine."""
+    from tokenflow.models import resolve_model
+
+    return resolve_model("smollm2-135m").path
+
+
+@pytest.fixture(scope="session")
+def real_hf_model(real_model: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(real_model)
+
+
+@pytest.fixture(autouse=True)
+def _clean_tokenflow_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine settings from the developer's shell must not leak into tests."""
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("TOKENFLOW_") and key not in ("TOKENFLOW_HOME",):
+            monkeypatch.delenv(key)

@@ -1,0 +1,58 @@
+"""KVCache: geometry, sizing and block import/export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config
+
+from tokenflow.kv.kv_cache import KVCache
+
+
+def test_geometry_and_bytes() -> None:
+    cfg = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
+    assert KVCache.geometry(cfg) == (30, 3, 64)
+    # SmolLM2-135M: 2 (K, V) * 30 layers * 16 slots * 3 heads * 64 dims * 4 bytes
+    assert KVCache.bytes_per_block(cfg, 16, torch.float32) == 2 * 30 * 16 * 3 * 64 * 4
+    assert KVCache.bytes_per_block(cfg, 16, torch.bfloat16) == 2 * 30 * 16 * 3 * 64 * 2
+    qwen3 = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    assert KVCache.geometry(qwen3) == (2, 2, 32)  # explicit head_dim wins over hidden / heads
+    mha = LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=None)
+    assert KVCache.geometry(mha) == (1, 4, 16)
+
+
+def test_layout_and_views() -> None:
+    cache = KVCache(
+        num_layers=2, num_kv_heads=3, head_dim=8, num_blocks=5, block_size=4, dtype=torch.bfloat16, device="cpu"
+    )
+    assert cache.k[0].shape == (5, 4, 3, 8) and cache.k[0].dtype == torch.bfloat16
+    assert not cache.k[1].any()  # zeroed: masked padding must read finite values
+    cache.k_slots[1][4 * 2 + 3] = 1.0  # slot = block * block_size + offset
+    assert cache.k[1][2, 3].eq(1).all() and cache.k[1].sum() == 24
+    assert cache.nbytes == 2 * 2 * 5 * 4 * 3 * 8 * 2
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    other = KVCache.for_model(cfg, num_blocks=3, block_size=2, dtype=torch.float32)
+    assert other.nbytes == 3 * KVCache.bytes_per_block(cfg, 2, torch.float32)
+
+
+def test_read_write_block_round_trip() -> None:
+    cache = KVCache(
+        num_layers=3, num_kv_heads=2, head_dim=4, num_blocks=4, block_size=2, dtype=torch.float32, device="cpu"
+    )
+    for layer in range(3):
+        cache.k[layer].normal_()
+        cache.v[layer].normal_()
+    data = cache.read_block(1)
+    assert data.shape == (3, 2, 2, 2, 4)
+    assert torch.equal(data[2, 1], cache.v[2][1])
+    cache.write_block(3, data)
+    for layer in range(3):
+        assert torch.equal(cache.k[layer][3], cache.k[layer][1])
+        assert torch.equal(cache.v[layer][3], cache.v[layer][1])
+    with pytest.raises(ValueError):
+        cache.write_block(0, data[:2])
+
+
+def test_bad_geometry() -> None:
+    with pytest.raises(ValueError):
+        KVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=0, block_size=2, dtype=torch.float32, device="cpu")

@@ -1,0 +1,82 @@
+"""EngineConfig: keywords > environment > TOML file, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenflow import EngineConfig
+from tokenflow.errors import ConfigError
+
+
+def test_defaults() -> None:
+    config = EngineConfig.load(environ={})
+    assert config.backend == "paged" and config.dtype == "auto" and config.block_size == 16
+
+
+def test_precedence_keywords_over_environment_over_file(tmp_path) -> None:
+    path = tmp_path / "tf.toml"
+    path.write_text('[tokenflow]\nmax_num_seqs = 4\nblock_size = 32\ndtype = "bfloat16"\n')
+    env = {"TOKENFLOW_MAX_NUM_SEQS": "8", "TOKENFLOW_DTYPE": "float16"}
+    config = EngineConfig.load(config_file=path, environ=env, dtype="float32")
+    assert config.block_size == 32  # file only
+    assert config.max_num_seqs == 8  # environment over file
+    assert config.dtype == "float32"  # keyword over environment
+
+
+def test_top_level_toml_and_config_file_from_environment(tmp_path) -> None:
+    path = tmp_path / "tf.toml"
+    path.write_text('max_batch_tokens = 1024\nrequest_stages = ["tokenizer"]\n')
+    config = EngineConfig.load(environ={"TOKENFLOW_CONFIG": str(path)})
+    assert config.max_batch_tokens == 1024
+
+
+def test_environment_lists_and_none() -> None:
+    env = {"TOKENFLOW_LENGTH_BUCKETS": "16, 64", "TOKENFLOW_REQUEST_STAGES": '["redact", "tokenizer"]',
+           "TOKENFLOW_MAX_MODEL_LEN": "none", "TOKENFLOW_SELF_CHECK": "false"}
+    config = EngineConfig.load(environ=env)
+    assert config.length_buckets == [16, 64]
+    assert config.request_stages == ["redact", "tokenizer"]
+    assert config.max_model_len is None and config.self_check is False
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16", "float16"])
+def test_every_dtype_is_accepted(dtype: str) -> None:
+    assert EngineConfig.load(environ={}, dtype=dtype).dtype == dtype
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "field"),
+    [
+        ({"dtype": "float64"}, {}, "dtype"),
+        ({"max_num_seqs": 0}, {}, "max_num_seqs"),
+        ({"no_such_setting": 1}, {}, "no_such_setting"),
+        ({}, {"TOKENFLOW_NO_SUCH": "1"}, "no_such"),
+        ({}, {"TOKENFLOW_BLOCK_SIZE": "big"}, "block_size"),
+    ],
+)
+def test_invalid_settings_name_the_field(kwargs, env, field) -> None:
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.load(environ=env, **kwargs)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_bad_device_and_missing_file(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="device"):
+        EngineConfig.load(environ={}, device="tpu")
+    with pytest.raises(ConfigError, match="not found"):
+        EngineConfig.load(environ={}, config_file=tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("this is = = not toml")
+    with pytest.raises(ConfigError, match="TOML"):
+        EngineConfig.load(environ={}, config_file=bad)
+
+
+def test_engine_keywords_build_the_config(tiny_model) -> None:
+    from tokenflow import Engine
+
+    engine = Engine(tiny_model, dtype="bfloat16", device="cpu", max_model_len=256)
+    assert engine.config.dtype == "bfloat16" and engine.config.max_model_len == 256
+    assert engine.config.model == str(tiny_model)
+    with pytest.raises(ConfigError):
+        Engine(tiny_model, max_modle_len=3)

@@ -1,0 +1,5 @@
+import sys
+
+from tokenflow.cli import main
+
+sys.exit(main())

@@ -1,0 +1,140 @@
+"""Engine configuration: one msgspec Struct, filled from a TOML file, the
+environment (`TOKENFLOW_*`) and keywords, in rising order of precedence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from tokenflow.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ("EngineConfig",)
+
+ENV_PREFIX = "TOKENFLOW_"
+# Environment variables with this prefix that are not engine settings.
+_ENV_NOT_SETTINGS = frozenset({"TOKENFLOW_HOME", "TOKENFLOW_PLUGINS", "TOKENFLOW_CONFIG"})
+
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Every engine setting. Field names are public (DESIGN §3).
+
+    `None` means "derive at start": `max_model_len` from the model config,
+    the KV pool from `num_kv_blocks`, else `kv_cache_bytes`, else free memory.
+    """
+
+    model: str | None = None
+    backend: str = "paged"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    max_model_len: Positive | None = None
+    block_size: Positive = 16
+    num_kv_blocks: Positive | None = None
+    kv_cache_bytes: Positive | None = None
+    kv_cache_memory_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=0.95)] = 0.25
+    max_num_seqs: Positive = 32
+    max_batch_tokens: Positive = 512
+    max_queue: Positive = 4096
+    timeout: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    request_stages: list[str] = msgspec.field(default_factory=lambda: ["tokenizer"])
+    batcher: str = "batcher"
+    length_buckets: list[Positive] = msgspec.field(default_factory=lambda: [32, 64, 128, 256, 512, 1024, 2048])
+    tokenizer_window_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    tokenizer_cache_size: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    num_threads: Positive | None = None
+    self_check: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu") and not self.device.startswith(("cuda", "mps")):
+            raise ValueError(f"`device` must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        config_file: str | os.PathLike[str] | None = None,
+        environ: Mapping[str, str] | None = None,
+        **overrides: Any,
+    ) -> EngineConfig:
+        """Merge file < environment < keywords and validate the result.
+
+        `config_file` defaults to `$TOKENFLOW_CONFIG`. Raises `ConfigError`
+        naming the setting that is unknown or invalid.
+        """
+        environ = os.environ if environ is None else environ
+        config_file = config_file or environ.get("TOKENFLOW_CONFIG")
+        merged: dict[str, Any] = {}
+        if config_file:
+            merged.update(_read_toml(Path(config_file)))
+        merged.update(_read_environ(environ))
+        merged.update({k: v for k, v in overrides.items()})
+        return cls.from_dict(merged)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:
+        try:
+            return msgspec.convert(dict(values), cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid engine setting: {exc}", field=_field_of(str(exc))) from None
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return self.from_dict({**msgspec.structs.asdict(self), **changes})
+
+
+def _field_of(text: str) -> str | None:
+    for marker in ("at `$.", "unknown field `"):
+        if marker in text:
+            return text.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0]
+    return None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    # Settings may sit at the top level or under a [tokenflow] table.
+    table = data.get("tokenflow", data)
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {path}: [tokenflow] must be a table")
+    return table
+
+
+def _read_environ(environ: Mapping[str, str]) -> dict[str, Any]:
+    """`TOKENFLOW_MAX_NUM_SEQS=8` -> {"max_num_seqs": "8"}; JSON for lists (`["a","b"]`) or commas."""
+    known = set(EngineConfig.__struct_fields__)
+    values: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key in _ENV_NOT_SETTINGS:
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name not in known:
+            raise ConfigError(f"unknown setting {name!r} in environment variable {key}", field=name)
+        values[name] = _parse_env_value(name, raw)
+    return values
+
+
+def _parse_env_value(name: str, raw: str) -> Any:
+    field_type = EngineConfig.__annotations__.get(name, "")
+    if "list[" in str(field_type):
+        if raw.strip().startswith("["):
+            return json.loads(raw)
+        return [item.strip() for item in raw.split(",") if item.strip()]
+    if raw.lower() in ("none", "null", ""):
+        return None
+    return raw

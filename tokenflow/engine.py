@@ -1,0 +1,275 @@
+"""The Engine: lifecycle and the public async API.
+
+    caller ─► request stages (config order) ─► batcher queue
+    step loop task: batcher.schedule ─► model (worker thread) ─► sampler ─► outputs ─► caller
+
+One background task (the step loop, in `step_loop.py`) owns the model. Each
+caller waits on its request's `OutputCollector`. Leaving a `stream()` early,
+cancelling `generate()`, or a deadline aborts the request; its KV blocks are
+freed at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from tokenflow import registry
+from tokenflow.config import EngineConfig
+from tokenflow.errors import DeadlineExceeded, EngineClosed, InvalidRequest
+from tokenflow.model.loader import load_model
+from tokenflow.model.sampler import make_generator
+from tokenflow.models import resolve_model
+from tokenflow.output import OutputProcessor, usage_of
+from tokenflow.params import Chunk, Completion, SamplingParams
+from tokenflow.protocols import EngineContext, NextStage
+from tokenflow.request import Request
+from tokenflow.step_loop import StepLoop
+
+__all__ = ("Engine",)
+
+log = logging.getLogger("tokenflow")
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    """An in-process LLM engine. Use as `async with Engine(model, **settings) as engine:`.
+
+    Settings are `EngineConfig` fields; keywords win over `TOKENFLOW_*`
+    environment variables, which win over `config_file` (TOML).
+    """
+
+    def __init__(
+        self, model: str | os.PathLike[str] | None = None, *, config_file: str | os.PathLike[str] | None = None,
+        **settings: Any,
+    ) -> None:
+        if model is not None:
+            settings["model"] = os.fspath(model)
+        self.config = EngineConfig.load(config_file=config_file, **settings)
+        self._state = "new"
+        self._loop: StepLoop | None = None
+        self._background: _Background | None = None
+        self._chain: NextStage | None = None
+        self._stages: list[Any] = []
+        self.model_name = ""
+
+    # -- lifecycle -----------------------------------------------------------
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Load the model and start the step loop (idempotent)."""
+        if self._state != "new":
+            return
+        self._state = "starting"
+        config = self.config
+        resolved = await anyio.to_thread.run_sync(resolve_model, config.model)
+        self.model_name = resolved.name
+        loaded = await anyio.to_thread.run_sync(load_model, resolved.path, config)
+        ctx = EngineContext(config, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size)
+        backend = registry.load_backend(config.backend, config)
+        await anyio.to_thread.run_sync(backend.load, ctx, loaded.model)
+        stages = [registry.load_stage(name, config, kinds=("request",)) for name in config.request_stages]
+        batcher = registry.load_stage(config.batcher, config, kinds=("loop",))
+        for name, stage in [*zip(config.request_stages, stages), (config.batcher, batcher)]:
+            ctx.shared[name] = stage
+        for stage in [*stages, batcher]:
+            if hasattr(stage, "start"):
+                await stage.start(ctx)
+        self._stages = stages
+        self.ctx = ctx
+        self.loaded = loaded
+        self.output = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, loaded.max_model_len)
+        self._loop = StepLoop(backend, batcher, self.output, loaded)
+        self._chain = _build_chain(stages, self._enqueue)
+        self._background = _spawn(self._loop.run)
+        self._state = "running"
+
+    async def aclose(self, drain_timeout: float = 30.0) -> None:
+        """Stop admission, let running requests finish (up to `drain_timeout` s), abort the rest."""
+        if self._state in ("closed", "new"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        loop = self._loop
+        assert loop is not None
+        with anyio.move_on_after(drain_timeout):
+            await loop.wait_idle()
+        loop.fail_all(EngineClosed("the engine was closed before this request finished"))
+        await self._background.stop()
+        self._state = "closed"
+
+    # -- public API ----------------------------------------------------------
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Completion:
+        """Generate a completion for `prompt` (text or token ids)."""
+        request = self._new_request(params, kwargs, prompt=prompt)
+        return await self._collect(request)
+
+    async def chat(
+        self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None, **kwargs: Any
+    ) -> Completion:
+        """Generate the assistant's reply to `messages` through the model's chat template."""
+        request = self._new_request(params, kwargs, messages=messages)
+        return await self._collect(request)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> AsyncIterator[Chunk]:
+        """Yield text deltas as they are generated; the last chunk carries finish_reason and usage."""
+        return self._results(self._new_request(params, kwargs, prompt=prompt))
+
+    def stream_chat(
+        self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None, **kwargs: Any
+    ) -> AsyncIterator[Chunk]:
+        return self._results(self._new_request(params, kwargs, messages=messages))
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {"state": self._state, "model": self.model_name}
+        if self._loop is not None:
+            stats.update(self._loop.stats())
+        for stage in self._stages:
+            if hasattr(stage, "stats"):
+                stats.update(stage.stats())
+        return stats
+
+    # -- internals -----------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._state == "new":
+            raise EngineClosed("the engine is not started: use `async with Engine(...)` or `await engine.start()`")
+        if self._state != "running" or (self._loop is not None and self._loop.dead):
+            raise EngineClosed(f"the engine is {'dead' if self._loop and self._loop.dead else self._state}")
+
+    def _new_request(self, params: SamplingParams | None, kwargs: dict[str, Any], *, prompt: Any = None,
+                     messages: Any = None) -> Request:
+        self._check_open()
+        sampling = SamplingParams.from_kwargs(params, **kwargs)
+        request = Request(sampling, messages=messages, arrival_time=anyio.current_time())
+        if messages is None:
+            if isinstance(prompt, str):
+                request.prompt = prompt
+            elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+                if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                    raise InvalidRequest("a token-id prompt must be a list of ints", field="prompt")
+                request.prompt_token_ids = list(prompt)
+            else:
+                raise InvalidRequest(
+                    f"the prompt must be a str or a list of token ids, got {type(prompt).__name__}", field="prompt"
+                )
+        timeout = sampling.timeout or self.config.timeout
+        ends = [t for t in (sampling.deadline, request.arrival_time + timeout if timeout else None) if t]
+        request.deadline = min(ends) if ends else None
+        return request
+
+    async def _enqueue(self, request: Request) -> None:
+        """The last link of the request path: hand the request to the step loop."""
+        self._check_open()
+        assert self._loop is not None
+        self.output.prepare(request)
+        if request.params.seed is not None:
+            request.extras["generator"] = make_generator(request.params.seed, self.loaded.device)
+        self._loop.add(request)
+
+    async def _collect(self, request: Request) -> Completion:
+        chunks = [chunk async for chunk in self._results(request)]
+        last = chunks[-1]
+        logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+        return Completion(
+            request_id=request.request_id,
+            text="".join(c.text for c in chunks),
+            token_ids=[t for c in chunks for t in c.token_ids],
+            finish_reason=last.finish_reason or "abort",
+            usage=last.usage or usage_of(request),
+            stop_reason=last.stop_reason,
+            logprobs=logprobs if request.params.logprobs is not None else None,
+            prompt_token_ids=request.prompt_token_ids,
+        )
+
+    async def _results(self, request: Request) -> AsyncIterator[Chunk]:
+        assert self._chain is not None and self._loop is not None
+        loop = self._loop
+        try:
+            with anyio.fail_after(_remaining(request)):
+                await self._chain(request)
+            while True:
+                with anyio.fail_after(_remaining(request)):
+                    chunk = await request.collector.get()
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        except TimeoutError:
+            loop.abort(request)
+            raise DeadlineExceeded(f"request {request.request_id} passed its deadline") from None
+        except BaseException:
+            loop.abort(request)
+            raise
+
+
+class _Background:
+    """The step-loop task, cancellable from any task.
+
+    An anyio task group would have to be exited by the task that entered it,
+    which breaks apps (and test fixtures) that open and close the engine in
+    different tasks; so the loop runs as an asyncio task or a trio system task.
+    """
+
+    def __init__(self, fn: Callable[[], Awaitable[None]]) -> None:
+        self._fn = fn
+        self._scope = anyio.CancelScope()
+        self._done = anyio.Event()
+        self.handle: Any = None
+
+    async def main(self) -> None:
+        try:
+            with self._scope:
+                await self._fn()
+        finally:
+            self._done.set()
+
+    async def stop(self) -> None:
+        self._scope.cancel()
+        await self._done.wait()
+
+
+def _spawn(fn: Callable[[], Awaitable[None]]) -> _Background:
+    import asyncio
+
+    background = _Background(fn)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio: trio
+        import trio
+
+        background.handle = trio.lowlevel.spawn_system_task(background.main, name="tokenflow-step-loop")
+    else:
+        background.handle = loop.create_task(background.main(), name="tokenflow-step-loop")
+    return background
+
+
+def _remaining(request: Request) -> float | None:
+    if request.deadline is None:
+        return None
+    return max(request.deadline - anyio.current_time(), 0.0)
+
+
+def _build_chain(stages: Sequence[Any], last: NextStage) -> NextStage:
+    """Compose middlewares: stages[0].handle(req, next=stages[1].handle(..., next=...last))."""
+    chain = last
+    for stage in reversed(stages):
+        chain = _link(stage, chain)
+    return chain
+
+
+def _link(stage: Any, call_next: NextStage) -> NextStage:
+    async def run(request: Request) -> None:
+        await stage.handle(request, call_next)
+
+    return run
+

@@ -1,0 +1,126 @@
+"""Bookkeeping of KV cache blocks: which block ids are free, which are in use.
+
+No tensors live here; `KVCache` holds the memory and this pool hands out the
+indices into it. Every operation is O(1) per block: the free ids sit on a
+stack, and a per-block reference count answers "is this block in use?"
+without scanning.
+
+Reference counts are 0 (free) or 1 (owned by one sequence) today. Prefix
+caching will let several sequences share a full block: it only needs an
+`incref` that bumps `_ref_count[b]` and a third state for blocks that are
+unreferenced but still hold a cached prefix (evictable rather than free).
+`free` already decrements and only returns a block to the free stack when its
+count reaches zero, so that extension does not change the callers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ("BlockPool", "OutOfBlocks")
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has fewer free blocks than requested; nothing was allocated."""
+
+    def __init__(self, requested: int, free: int) -> None:
+        super().__init__(f"requested {requested} KV blocks but only {free} are free")
+        self.requested = requested
+        self.free = free
+
+
+class BlockPool:
+    """A fixed set of `num_blocks` KV blocks of `block_size` token slots each."""
+
+    __slots__ = ("_block_size", "_free", "_num_blocks", "_ref_count")
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        # Stack of free ids; reversed so the first allocations get 0, 1, 2, ... (predictable in tests).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._ref_count: list[int] = [0] * num_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self._num_blocks - len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self._block_size)
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free blocks (reference count 1 each); all or nothing."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        free = self._free
+        if n > len(free):
+            raise OutOfBlocks(n, len(free))
+        if n == 0:
+            return []
+        ids = free[-n:]
+        del free[-n:]
+        ids.reverse()
+        ref = self._ref_count
+        for b in ids:
+            ref[b] = 1
+        return ids
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference to each block; blocks whose count reaches 0 become free.
+
+        Validates the whole batch first, so a bad id (unknown, already free, or
+        listed twice) raises `ValueError` and leaves the pool unchanged.
+        """
+        ids = list(block_ids)
+        ref = self._ref_count
+        n = self._num_blocks
+        for b in ids:
+            if not (0 <= b < n):
+                raise ValueError(f"block id {b} is out of range [0, {n})")
+            if ref[b] <= 0:
+                raise ValueError(f"double free of KV block {b}")
+        if len(set(ids)) != len(ids):
+            # Several references to one block in one call are only legal while it is shared.
+            counts: dict[int, int] = {}
+            for b in ids:
+                counts[b] = counts.get(b, 0) + 1
+            for b, c in counts.items():
+                if c > ref[b]:
+                    raise ValueError(f"double free of KV block {b} (listed {c} times, {ref[b]} references)")
+        free = self._free
+        for b in ids:
+            ref[b] -= 1
+            if ref[b] == 0:
+                free.append(b)
+
+    def ref_count(self, block_id: int) -> int:
+        """References held on `block_id` (0 when free)."""
+        return self._ref_count[block_id]
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockPool(num_blocks={self._num_blocks}, block_size={self._block_size}, "
+            f"free={self.num_free}, used={self.num_used})"
+        )

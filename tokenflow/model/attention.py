@@ -1,0 +1,193 @@
+"""Paged attention for unmodified transformers models.
+
+`paged_attention_forward` is registered in `transformers.AttentionInterface` under
+`ATTENTION_NAME`. The model calls it once per layer with the RoPE'd `query [1, H, T, D]`,
+`key`/`value [1, KVH, T, D]` of the packed step and, in `kwargs`, everything it was given as
+extra forward keywords: that is how the step's `PagedAttentionMetadata` reaches it (keyword
+`META_KWARG`). All index tensors and masks are built once per step by the runner, so the 30
+calls per step do no host-side planning, no `.item()` and no device syncs.
+
+Packed token order (the runner guarantees it): first the decode rows (one query token per
+sequence, `num_decode` of them), then each prefill segment as a contiguous range.
+
+Per layer:
+1. write the step's new K/V into the cache at `slot_mapping` (one `index_copy_` each);
+2. decodes: gather every decode sequence's blocks at once, padded to the longest context,
+   and run ONE SDPA over all of them with an additive padding mask; GQA is handled by viewing
+   the `G = H / KVH` query heads of a KV head as G query rows (no `repeat_kv`);
+3. each prefill segment: one SDPA against its own context (the chunk's own keys when it starts
+   at position 0, else its gathered blocks) with a causal mask offset by its start position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tokenflow.kv.kv_cache import KVCache
+
+__all__ = (
+    "ATTENTION_NAME",
+    "META_KWARG",
+    "PagedAttentionMetadata",
+    "PrefillSegment",
+    "UnsupportedAttentionFeature",
+    "paged_attention_forward",
+    "register",
+)
+
+ATTENTION_NAME = "tokenflow_paged"
+META_KWARG = "tokenflow_meta"
+
+# Keywords models pass down that carry nothing the attention must honour.
+_HARMLESS_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
+
+
+class UnsupportedAttentionFeature(NotImplementedError):
+    """The model asked the attention for a feature this implementation does not have.
+
+    Ignoring it would give silently wrong logits, so the call fails instead; the runner's
+    load-time self-check turns this into `ModelLoadError`.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSegment:
+    """One multi-token chunk of one sequence inside the packed step."""
+
+    q_start: int  # first packed row of the chunk
+    q_end: int  # one past its last packed row
+    start_pos: int  # tokens of this sequence already in the cache before the chunk
+    kv_len: int  # start_pos + chunk length: keys the last row sees
+    block_ids: torch.Tensor | None  # [ceil(kv_len / block_size)] long; None when start_pos == 0
+    mask: torch.Tensor | None  # [q_len, kv_len] additive (0 / -inf) in model dtype; None: plain causal
+
+
+@dataclass(slots=True)
+class PagedAttentionMetadata:
+    """Everything the attention needs about one step, built once per step by the runner."""
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [num_tokens] long: cache slot (block * block_size + offset) per packed token
+    num_tokens: int
+    max_context: int  # longest context in the step (positions seen by its last query + 1)
+    num_decode: int  # packed rows [0, num_decode) are single-token decodes
+    decode_block_ids: torch.Tensor | None  # [num_decode * decode_max_blocks] long, rows padded with block 0
+    decode_max_blocks: int
+    decode_kv_len: int  # longest decode context; gathered keys are sliced to it
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_kv_len] additive, None if all equal
+    prefills: tuple[PrefillSegment, ...]
+    calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
+
+
+def register() -> None:
+    """Make `ATTENTION_NAME` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+
+
+def _check_kwargs(module: torch.nn.Module, meta: PagedAttentionMetadata, kwargs: dict[str, Any]) -> None:
+    for name, value in kwargs.items():
+        if value is None or name in _HARMLESS_KWARGS:
+            if name == "output_attentions" and value:
+                raise UnsupportedAttentionFeature("output_attentions=True is not supported by paged attention")
+            continue
+        if name == "sliding_window":
+            # A window at least as long as every context in the step masks nothing.
+            if value >= meta.max_context:
+                continue
+            raise UnsupportedAttentionFeature(
+                f"sliding_window={value} (context {meta.max_context}) is not implemented by paged attention"
+            )
+        if name == "is_causal" and value:
+            continue
+        raise UnsupportedAttentionFeature(
+            f"{type(module).__name__} passed attention argument {name}={value!r}, "
+            "which paged attention does not implement"
+        )
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D], RoPE applied
+    key: torch.Tensor,  # [1, KVH, T, D]
+    value: torch.Tensor,  # [1, KVH, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Write this layer's new K/V into the paged cache and attend over it; returns `([1, T, H, D], None)`."""
+    meta: PagedAttentionMetadata | None = kwargs.pop(META_KWARG, None)
+    if meta is None:
+        raise RuntimeError(
+            f"attention '{ATTENTION_NAME}' called without '{META_KWARG}': this model is bound to a "
+            "PagedModelRunner; call it through PagedModelRunner.execute"
+        )
+    if kwargs:
+        _check_kwargs(module, meta, kwargs)
+    if attention_mask is not None:
+        raise UnsupportedAttentionFeature(f"{type(module).__name__} built its own attention mask")
+    if dropout:
+        raise UnsupportedAttentionFeature("attention dropout > 0 (is the model in training mode?)")
+    if not getattr(module, "is_causal", True):
+        raise UnsupportedAttentionFeature(f"{type(module).__name__} is not causal")
+    layer: int = module.layer_idx
+    if meta.calls is not None:
+        meta.calls.append(layer)
+
+    cache = meta.kv_cache
+    _, num_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    k_new = key[0].transpose(0, 1)  # [T, KVH, D]
+    v_new = value[0].transpose(0, 1)  # [T, KVH, D]
+    cache.k_slots[layer].index_copy_(0, meta.slot_mapping, k_new)
+    cache.v_slots[layer].index_copy_(0, meta.slot_mapping, v_new)
+
+    q_rows = query[0].transpose(0, 1)  # [T, H, D]
+    nd = meta.num_decode
+    pieces: list[torch.Tensor] = []  # each [rows, H, D], in packed order
+
+    if nd:
+        assert meta.decode_block_ids is not None
+        kv_len = meta.decode_kv_len
+        padded = meta.decode_max_blocks * cache.block_size
+        ids = meta.decode_block_ids
+        # [nd, KVH, kv_len, D] views of the gathered blocks
+        k = cache.k[layer].index_select(0, ids).view(nd, padded, num_kv_heads, head_dim)[:, :kv_len].transpose(1, 2)
+        v = cache.v[layer].index_select(0, ids).view(nd, padded, num_kv_heads, head_dim)[:, :kv_len].transpose(1, 2)
+        q = q_rows[:nd].reshape(nd, num_kv_heads, group, head_dim)  # [nd, KVH, G, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
+        pieces.append(out.view(nd, num_heads, head_dim))  # [nd, KVH, G, D] -> [nd, H, D]
+
+    for seg in meta.prefills:
+        q = query[:, :, seg.q_start : seg.q_end]  # [1, H, t, D]
+        if seg.block_ids is None:  # chunk starts the sequence: its own keys are the whole context
+            k = key[:, :, seg.q_start : seg.q_end]  # [1, KVH, t, D]
+            v = value[:, :, seg.q_start : seg.q_end]
+        else:
+            n = seg.block_ids.shape[0]
+            # [1, KVH, kv_len, D] views of the gathered blocks
+            k = cache.k[layer].index_select(0, seg.block_ids).view(1, n * cache.block_size, num_kv_heads, head_dim)
+            v = cache.v[layer].index_select(0, seg.block_ids).view(1, n * cache.block_size, num_kv_heads, head_dim)
+            k = k[:, : seg.kv_len].transpose(1, 2)
+            v = v[:, : seg.kv_len].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=seg.mask,
+            is_causal=seg.mask is None,
+            scale=scaling,
+            enable_gqa=group > 1,
+        )  # [1, H, t, D]
+        pieces.append(out[0].transpose(0, 1))  # [t, H, D]
+
+    if len(pieces) == 1:
+        return pieces[0].unsqueeze(0), None  # [1, T, H, D]
+    return torch.cat(pieces, dim=0).unsqueeze(0), None  # [1, T, H, D]

@@ -1,0 +1,100 @@
+"""The `paged` backend (default): one packed forward per step over a paged KV cache.
+
+The batcher decides the step's chunks and reserves their blocks; this
+backend turns them into the runner's `SeqChunk`s and returns the logits of
+the chunks that sample. The KV pool is sized here, at load, and shared with
+the batcher through `EngineContext.shared["block_pool"]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from tokenflow.config import EngineConfig
+from tokenflow.kv.block_pool import BlockPool
+from tokenflow.kv.kv_cache import KVCache
+from tokenflow.model.paged_runner import PagedModelRunner, SeqChunk
+from tokenflow.protocols import EngineContext, StepPlan
+
+__all__ = ("PagedBackend", "create", "kv_pool_blocks")
+
+log = logging.getLogger("tokenflow")
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes on the device: `mem_get_info` on CUDA, available RAM on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def kv_pool_blocks(config: EngineConfig, bytes_per_block: int, max_model_len: int, device: torch.device) -> int:
+    """Pool size: `num_kv_blocks`, else `kv_cache_bytes`, else a fraction of free memory,
+    never more than every sequence at full length needs."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    budget = config.kv_cache_bytes or int(available_memory(device) * config.kv_cache_memory_fraction)
+    blocks_per_seq = -(-max_model_len // config.block_size)
+    ceiling = blocks_per_seq * config.max_num_seqs
+    return max(1, min(budget // bytes_per_block, ceiling))
+
+
+class PagedBackend:
+    static = False
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner: PagedModelRunner | None = None
+        self.pool: BlockPool | None = None
+        self.kv_bytes = 0
+
+    def load(self, ctx: EngineContext, model: Any) -> None:
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        per_block = KVCache.bytes_per_block(model.config, self.config.block_size, dtype)
+        num_blocks = kv_pool_blocks(self.config, per_block, ctx.max_model_len, device)
+        layers, kv_heads, head_dim = KVCache.geometry(model.config)
+        kv_cache = KVCache(
+            num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_blocks=num_blocks,
+            block_size=self.config.block_size, dtype=dtype, device=device,
+        )
+        self.kv_bytes = per_block * num_blocks
+        self.pool = BlockPool(num_blocks, self.config.block_size)
+        self.runner = PagedModelRunner(model, kv_cache)
+        ctx.shared["block_pool"] = self.pool
+        log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
+                 self.kv_bytes / 2**20)
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Blocking: one forward; logits [num_sampling_chunks, vocab] in plan order."""
+        assert self.runner is not None
+        chunks = []
+        for c in plan.chunks:
+            r = c.request
+            start = r.num_computed_tokens
+            if c.num_tokens == 1 and start == r.num_tokens - 1 and r.output_token_ids:
+                tokens = [r.output_token_ids[-1]]  # the common decode case, no list concat
+            else:
+                tokens = r.all_token_ids[start:start + c.num_tokens]
+            chunks.append(SeqChunk(tokens, start, r.block_table, c.samples))
+        return self.runner.execute(chunks)
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.pool
+        if pool is None:
+            return {}
+        return {
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_free": pool.num_free,
+            "kv_cache_bytes": self.kv_bytes,
+        }
+
+
+def create(config: EngineConfig) -> PagedBackend:
+    return PagedBackend(config)

@@ -1,0 +1,332 @@
+"""The forward pass of the `paged` backend: one HF forward per step over a packed batch.
+
+The model stays an unmodified transformers model. The runner registers tokenflow's attention
+(`tokenflow.model.attention`) and switches the model to it, then each `execute` packs the
+step's chunks into `input_ids [1, total_tokens]` with per-token `position_ids`, builds the
+step's `PagedAttentionMetadata` once (slot mapping, block index tensors, masks) and calls
+the model with `use_cache=False` (otherwise it silently builds its own `DynamicCache`),
+`logits_to_keep` = the packed rows to sample (so the vocab projection runs on those rows only)
+and the metadata as an extra keyword, which transformers hands down to every layer's attention.
+
+This relies on a convention inside transformers, not a documented API, so the supported
+transformers range is pinned in pyproject and every runner checks itself at construction
+(`self_check`) against the model's own attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenflow.errors import ModelLoadError
+from tokenflow.kv.kv_cache import KVCache
+from tokenflow.model.attention import (
+    ATTENTION_NAME,
+    META_KWARG,
+    PagedAttentionMetadata,
+    PrefillSegment,
+    UnsupportedAttentionFeature,
+    register,
+)
+
+__all__ = ("PagedModelRunner", "SeqChunk", "check_model_supported")
+
+_UNSUPPORTED_ROPE = frozenset({"dynamic", "longrope"})  # depend on the batch's max position: wrong when packed
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """The work of one sequence in one step."""
+
+    token_ids: list[int]  # tokens to compute now: a prefill chunk or one decode token
+    start_pos: int  # this sequence's tokens already in the KV cache (positions start_pos .. +len-1)
+    block_table: list[int]  # the sequence's blocks, covering at least start_pos + len(token_ids) tokens
+    sample: bool  # whether the logits of the last token are wanted
+
+
+@dataclass(slots=True)
+class PackedStep:
+    """Model inputs for one step (what `execute` feeds to the model)."""
+
+    input_ids: torch.Tensor  # [1, num_tokens] long
+    position_ids: torch.Tensor  # [1, num_tokens] long
+    logits_to_keep: torch.Tensor  # [num_sampled] long: packed rows to project, in chunk order
+    meta: PagedAttentionMetadata
+
+
+def check_model_supported(model: torch.nn.Module, max_model_len: int | None = None) -> None:
+    """Refuse (ModelLoadError) models whose attention needs features paged attention lacks.
+
+    Config inspection only; `PagedModelRunner.self_check` catches what configs do not say.
+    """
+    config = model.config
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    mtype = getattr(cfg, "model_type", type(model).__name__)
+
+    def refuse(feature: str) -> ModelLoadError:
+        return ModelLoadError(f"model type '{mtype}' uses {feature}, which the paged backend does not support")
+
+    if not getattr(cfg, "is_causal", True) or getattr(cfg, "is_encoder_decoder", False):
+        raise refuse("non-causal attention")
+    window = getattr(cfg, "sliding_window", None)  # Qwen2/3 configs already null it without use_sliding_window
+    limit = max_model_len or getattr(cfg, "max_position_embeddings", None)
+    if window is not None and (limit is None or window < limit):
+        raise refuse(f"sliding-window attention (sliding_window={window})")
+    layer_types = getattr(cfg, "layer_types", None) or ()
+    odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if odd:  # sliding layers are judged by the window above
+        raise refuse(f"layer types {odd}")
+    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
+        if getattr(cfg, name, None) is not None:
+            raise refuse(f"attention logit softcapping ({name})")
+    if any(hasattr(m, "sinks") and getattr(m, "layer_idx", None) is not None for m in model.modules()):
+        raise refuse("attention sinks")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    ropes = rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    for r in ropes:
+        rtype = (r or {}).get("rope_type", (r or {}).get("type"))
+        if rtype in _UNSUPPORTED_ROPE:
+            raise refuse(f"'{rtype}' RoPE scaling")
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise refuse("a forward without `logits_to_keep`")
+    if hasattr(type(model), "_can_set_attn_implementation") and not type(model)._can_set_attn_implementation():
+        raise refuse("attention that does not go through transformers' AttentionInterface")
+
+
+@contextlib.contextmanager
+def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Temporarily run `model` with another attention implementation."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+class PagedModelRunner:
+    """Runs packed steps of an HF causal LM over a `KVCache`.
+
+    Construction switches `model` to paged attention for good (its own `forward`/`generate`
+    then need a runner step's metadata) and runs `self_check`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        *,
+        max_model_len: int | None = None,
+        self_check: bool = True,
+    ) -> None:
+        check_model_supported(model, max_model_len)
+        geometry = KVCache.geometry(model.config)
+        if geometry != (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim):
+            raise ModelLoadError(
+                f"KV cache geometry (layers, kv_heads, head_dim)="
+                f"{(kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim)} does not match the model's {geometry}"
+            )
+        param = next(model.parameters())
+        if param.dtype != kv_cache.dtype or param.device != kv_cache.device:
+            raise ModelLoadError(
+                f"model is {param.dtype} on {param.device} but the KV cache is {kv_cache.dtype} on {kv_cache.device}"
+            )
+        self.model = model.eval()
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.dtype = kv_cache.dtype
+        self.device = kv_cache.device
+        self.num_layers = kv_cache.num_layers
+        previous = model.config._attn_implementation
+        self._reference_attention = "sdpa" if previous in (None, ATTENTION_NAME) else previous
+        register()
+        try:
+            model.set_attn_implementation(ATTENTION_NAME)
+        except (ValueError, KeyError, ImportError) as e:
+            raise ModelLoadError(f"cannot switch {type(model).__name__} to paged attention: {e}") from e
+        if model.config._attn_implementation != ATTENTION_NAME:
+            raise ModelLoadError(f"{type(model).__name__} does not accept a custom attention implementation")
+        if self_check:
+            self.self_check()
+
+    # ------------------------------------------------------------------ step
+    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        """One forward over `chunks`; returns float32 logits `[num_sampled, vocab]` in chunk order."""
+        step = self.prepare(chunks, self.kv_cache)
+        return self._forward(step)
+
+    def _forward(self, step: PackedStep) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=step.input_ids,
+                position_ids=step.position_ids,
+                use_cache=False,
+                logits_to_keep=step.logits_to_keep,
+                **{META_KWARG: step.meta},
+            )
+        return out.logits[0].float()  # [num_sampled, vocab]
+
+    def prepare(self, chunks: Sequence[SeqChunk], kv_cache: KVCache) -> PackedStep:
+        """Pack `chunks` (decodes first, then prefill chunks) and build the step's metadata."""
+        if not chunks:
+            raise ValueError("execute() needs at least one chunk")
+        bs = self.block_size
+        decodes: list[int] = []
+        prefills: list[int] = []
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            if n == 0:
+                raise ValueError(f"chunk {i} has no tokens")
+            if c.start_pos < 0:
+                raise ValueError(f"chunk {i} has a negative start_pos")
+            if len(c.block_table) * bs < c.start_pos + n:
+                raise ValueError(
+                    f"chunk {i}: {len(c.block_table)} blocks of {bs} cannot hold {c.start_pos + n} tokens"
+                )
+            (decodes if n == 1 else prefills).append(i)
+
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        last_row = [0] * len(chunks)  # packed row of each chunk's last token
+
+        # Decodes: one row each, their blocks gathered together, padded to the longest context.
+        nd = len(decodes)
+        dec_ids: torch.Tensor | None = None
+        dec_mask: torch.Tensor | None = None
+        dec_len = dec_blocks = 0
+        if nd:
+            ctx: list[int] = []
+            for row, i in enumerate(decodes):
+                c = chunks[i]
+                p = c.start_pos
+                ids.append(c.token_ids[0])
+                pos.append(p)
+                slots.append(c.block_table[p // bs] * bs + p % bs)
+                ctx.append(p + 1)
+                last_row[i] = row
+            dec_len = max(ctx)
+            dec_blocks = -(-dec_len // bs)
+            flat: list[int] = []
+            for i, n_ctx in zip(decodes, ctx):
+                used = -(-n_ctx // bs)
+                flat.extend(chunks[i].block_table[:used])
+                if used < dec_blocks:
+                    flat.extend([0] * (dec_blocks - used))  # padding: block 0's (finite) contents are masked
+            dec_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+            if min(ctx) != dec_len:
+                ctx_t = torch.tensor(ctx, dtype=torch.long, device=self.device)  # [nd]
+                pad = torch.arange(dec_len, device=self.device)[None, :] >= ctx_t[:, None]  # [nd, dec_len]
+                dec_mask = torch.zeros(nd, 1, 1, dec_len, dtype=self.dtype, device=self.device)
+                dec_mask.masked_fill_(pad.view(nd, 1, 1, dec_len), float("-inf"))
+
+        # Prefill chunks: contiguous rows each, attended segment by segment.
+        segments: list[PrefillSegment] = []
+        row = nd
+        max_context = dec_len
+        for i in prefills:
+            c = chunks[i]
+            s = c.start_pos
+            t = len(c.token_ids)
+            e = s + t
+            ids.extend(c.token_ids)
+            pos.extend(range(s, e))
+            table = c.block_table
+            for b in range(s // bs, -(-e // bs)):  # slots block by block, not token by token
+                base = table[b] * bs - b * bs
+                slots.extend(range(base + max(s, b * bs), base + min(e, (b + 1) * bs)))
+            if s == 0:
+                block_ids = mask = None
+            else:
+                block_ids = torch.tensor(table[: -(-e // bs)], dtype=torch.long, device=self.device)
+                future = torch.ones(t, e, dtype=torch.bool, device=self.device).triu_(s + 1)  # key j > s + i
+                mask = torch.zeros(t, e, dtype=self.dtype, device=self.device).masked_fill_(future, float("-inf"))
+            segments.append(PrefillSegment(row, row + t, s, e, block_ids, mask))
+            row += t
+            last_row[i] = row - 1
+            max_context = max(max_context, e)
+
+        keep = [last_row[i] for i, c in enumerate(chunks) if c.sample]
+        meta = PagedAttentionMetadata(
+            kv_cache=kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_tokens=len(ids),
+            max_context=max_context,
+            num_decode=nd,
+            decode_block_ids=dec_ids,
+            decode_max_blocks=dec_blocks,
+            decode_kv_len=dec_len,
+            decode_mask=dec_mask,
+            prefills=tuple(segments),
+        )
+        return PackedStep(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+            position_ids=torch.tensor([pos], dtype=torch.long, device=self.device),
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+            meta=meta,
+        )
+
+    # ------------------------------------------------------------ self-check
+    def self_check(self) -> None:
+        """Compare paged logits with the model's own attention on a short mixed workload.
+
+        Two sequences over three steps in a private scratch cache: a first prefill chunk,
+        a second chunk at an offset next to a whole short prompt, then decodes with different
+        context lengths. Raises ModelLoadError when the model sends arguments paged attention
+        does not implement, bypasses it, or the logits differ beyond tolerance.
+        """
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randint(0, vocab, (11,), generator=gen).tolist()
+        b = torch.randint(0, vocab, (7,), generator=gen).tolist()
+        bs = self.block_size
+        need_a, need_b = -(-len(a) // bs), -(-len(b) // bs)
+        scratch = KVCache(
+            num_layers=self.num_layers,
+            num_kv_heads=self.kv_cache.num_kv_heads,
+            head_dim=self.kv_cache.head_dim,
+            num_blocks=need_a + need_b + 1,
+            block_size=bs,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        # Interleaved, reversed block ids so a wrong slot mapping cannot pass by luck.
+        table_a = list(range(need_a + need_b, 0, -1))[0::2][:need_a]
+        rest = [x for x in range(1, need_a + need_b + 1) if x not in table_a]
+        table_b = rest[:need_b]
+        steps = [
+            [SeqChunk(a[:6], 0, table_a, False), SeqChunk(b[:5], 0, table_b, True)],
+            [SeqChunk(b[5:6], 5, table_b, True), SeqChunk(a[6:10], 6, table_a, True)],
+            [SeqChunk(a[10:11], 10, table_a, True), SeqChunk(b[6:7], 6, table_b, True)],
+        ]
+        ours: list[torch.Tensor] = []
+        calls: list[int] = []
+        try:
+            for chunks in steps:
+                step = self.prepare(chunks, scratch)
+                step.meta.calls = calls
+                ours.append(self._forward(step))
+        except UnsupportedAttentionFeature as e:
+            raise ModelLoadError(f"{type(self.model).__name__}: {e}") from e
+        if sorted(set(calls)) != list(range(self.num_layers)) or len(calls) != len(steps) * self.num_layers:
+            raise ModelLoadError(
+                f"{type(self.model).__name__} did not route every layer's attention through paged attention "
+                f"(layers seen: {sorted(set(calls))})"
+            )
+        with _attention_implementation(self.model, self._reference_attention), torch.inference_mode():
+            ref_a = self.model(torch.tensor([a]), use_cache=False).logits[0].float()  # [11, vocab]
+            ref_b = self.model(torch.tensor([b]), use_cache=False).logits[0].float()  # [7, vocab]
+        got = torch.cat(ours)  # rows: b4 | b5, a9 | a10, b6
+        want = torch.stack([ref_b[4], ref_b[5], ref_a[9], ref_a[10], ref_b[6]])
+        err = ((got - want).norm() / want.norm().clamp_min(1e-6)).item()
+        tol = 1e-4 if self.dtype == torch.float32 else 3e-2
+        if not err <= tol:
+            raise ModelLoadError(
+                f"{type(self.model).__name__}: paged attention logits differ from the model's own "
+                f"(relative error {err:.2e} > {tol:.0e}); the model is not supported by the paged backend"
+            )
+        self.last_self_check_error = err

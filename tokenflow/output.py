@@ -1,0 +1,107 @@
+"""Turns sampled tokens into text chunks and decides when a request is done.
+
+Runs on the event loop after every step (and is cheap per token): an
+incremental detokenizer per request, a stop-string matcher that holds back
+text that may start a stop string, and the stop / length checks. The text a
+request returns is by construction the concatenation of its chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tokenflow.params import Chunk, TokenLogprob, Usage
+from tokenflow.request import Request
+from tokenflow.text.detokenizer import IncrementalDetokenizer
+from tokenflow.text.stops import StopStringMatcher
+
+__all__ = ("OutputProcessor",)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.num_output_tokens = 0
+
+    def prepare(self, request: Request) -> None:
+        """Attach the per-request detokenizer and stop matcher before it runs."""
+        params = request.params
+        request.extras["detokenizer"] = IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids=request.prompt_token_ids or (),
+            skip_special_tokens=params.skip_special_tokens,
+        )
+        request.extras["stops"] = (
+            StopStringMatcher(params.stop, include_stop=params.include_stop_str_in_output) if params.stop else None
+        )
+
+    def append(self, request: Request, token_id: int, logprob: TokenLogprob | None) -> bool:
+        """Record one sampled token; emit its chunk. Returns True when the request finished."""
+        params = request.params
+        request.output_token_ids.append(token_id)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        self.num_output_tokens += 1
+        num_out = len(request.output_token_ids)
+
+        finish: str | None = None
+        text = ""
+        if num_out > params.min_tokens and (
+            token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
+        ):
+            finish = "stop"
+            request.stop_reason = token_id if token_id in params.stop_token_ids else None
+        else:
+            text = request.extras["detokenizer"].push(token_id)
+            stops: StopStringMatcher | None = request.extras["stops"]
+            if stops is not None:
+                text, matched = stops.feed(text)
+                if matched is not None:
+                    finish = "stop"
+                    request.stop_reason = matched
+        if finish is None and (num_out >= params.max_tokens or request.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish is not None:
+            text += self._flush(request, stopped_by_string=isinstance(request.stop_reason, str))
+        self._emit(request, text, [token_id], logprob, finish)
+        return finish is not None
+
+    def finish_length(self, request: Request) -> None:
+        """End a request whose backend stopped at its token budget without a final token."""
+        self._emit(request, self._flush(request, stopped_by_string=False), [], None, "length")
+
+    def finish_aborted(self, request: Request) -> None:
+        """End a request that was cancelled or timed out (no flush of held text)."""
+        if request.finish_reason is None:
+            request.finish_reason = "abort"
+
+    def _flush(self, request: Request, *, stopped_by_string: bool) -> str:
+        if stopped_by_string:
+            return ""  # text after a stop string is dropped
+        tail = request.extras["detokenizer"].flush()
+        stops: StopStringMatcher | None = request.extras["stops"]
+        if stops is not None:
+            tail, _ = stops.feed(tail)
+            tail += stops.flush()
+        return tail
+
+    def _emit(
+        self, request: Request, text: str, token_ids: list[int], logprob: TokenLogprob | None, finish: str | None
+    ) -> None:
+        request.text += text
+        chunk = Chunk(text=text, token_ids=token_ids, logprobs=[logprob] if logprob is not None else None)
+        if finish is not None:
+            request.finish_reason = finish
+            chunk.finish_reason = finish  # type: ignore[assignment]
+            chunk.stop_reason = request.stop_reason
+            chunk.usage = usage_of(request)
+        request.collector.put(chunk)
+
+
+def usage_of(request: Request) -> Usage:
+    return Usage(prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids))

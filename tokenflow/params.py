@@ -1,0 +1,142 @@
+"""Public data types: sampling parameters in, completions and chunks out.
+
+All are `msgspec.Struct`s: cheap to build, JSON-encodable, and validated when
+built through `SamplingParams.from_kwargs` (the path every engine call takes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from tokenflow.errors import InvalidRequest
+
+__all__ = ("Chunk", "Completion", "FinishReason", "SamplingParams", "TokenLogprob", "Usage")
+
+FinishReason = Literal["stop", "length", "abort"]
+
+_MAX_LOGPROBS = 20
+
+_INT32 = 2**31 - 1
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """How to sample one request, and its per-request scheduling knobs.
+
+    Defaults follow vLLM: temperature 1.0, nucleus and top-k off, no penalties.
+    `temperature=0` is greedy. `priority`: lower is served first.
+    `timeout` is seconds from submission; `deadline` an absolute time on the
+    `anyio.current_time()` clock; the earlier of the two applies.
+    """
+
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=_INT32)] = 128
+    temperature: NonNegFloat = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=_INT32)] = 0  # 0 disables top-k
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=_INT32)]] = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=_INT32)] = 0
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=_MAX_LOGPROBS)] | None = None
+    skip_special_tokens: bool = True
+    priority: Annotated[int, msgspec.Meta(ge=-_INT32, le=_INT32)] = 0
+    timeout: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    deadline: float | None = None
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "timeout", "deadline"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"`{name}` must be a finite number, got {value!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("`stop` strings must be non-empty")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError("`seed` must fit in 64 bits")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_kwargs(cls, params: SamplingParams | None = None, **kwargs: Any) -> SamplingParams:
+        """Build validated params from keywords (over `params` when given).
+
+        Raises `InvalidRequest` naming the field for an unknown keyword, a wrong
+        type or an out-of-range value.
+        """
+        if params is not None:
+            if not isinstance(params, SamplingParams):
+                raise InvalidRequest("`params` must be a tokenflow.SamplingParams", field="params")
+            if not kwargs:
+                return params
+            kwargs = {**msgspec.structs.asdict(params), **kwargs}
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = [kwargs["stop"]]
+        try:
+            return msgspec.convert(kwargs, cls, strict=True)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"invalid sampling parameter: {exc}", field=_field_of(exc)) from None
+
+
+def _field_of(exc: msgspec.ValidationError) -> str | None:
+    """Pull the field name out of msgspec's message (`... - at `$.top_p``, `unknown field `x``)."""
+    text = str(exc)
+    for marker in ("at `$.", "unknown field `", "`"):
+        if marker in text:
+            rest = text.split(marker, 1)[1]
+            return rest.split("`", 1)[0].split("[", 1)[0].split(".", 1)[0] or None
+    return None
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """Log-probability of a sampled token, with the top alternatives (id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = {}
+
+
+class Chunk(msgspec.Struct):
+    """One streamed delta. The last chunk carries `finish_reason` and `usage`."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    usage: Usage | None = None
+
+
+class Completion(msgspec.Struct):
+    """A finished request: the text is exactly the concatenation of its stream's deltas."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_token_ids: list[int] | None = None

@@ -1,0 +1,112 @@
+"""The contracts a stage or backend plugin implements.
+
+The registry decides a plugin's kind by the protocol its object satisfies, so
+a third-party stage needs nothing from tokenflow but these method names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenflow.config import EngineConfig
+    from tokenflow.request import Request
+
+__all__ = (
+    "Batcher",
+    "EngineContext",
+    "ModelBackend",
+    "NextStage",
+    "RequestStage",
+    "ScheduledChunk",
+    "StepPlan",
+)
+
+NextStage = Callable[["Request"], Awaitable[None]]
+
+
+@dataclass
+class EngineContext:
+    """What the engine hands every stage at start: settings and shared objects."""
+
+    config: EngineConfig
+    tokenizer: Any  # the HF fast tokenizer of the model
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    shared: dict[str, Any] = field(default_factory=dict)  # stage name -> stage, for cooperation
+
+
+@runtime_checkable
+class RequestStage(Protocol):
+    """A middleware on the request path: inspect or change the request, then
+    `await call_next(request)` to pass it on (or raise to refuse it)."""
+
+    async def handle(self, request: Request, call_next: NextStage) -> None: ...
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_tokens` new tokens of `request` to compute this step."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's known tokens."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class StepPlan:
+    """One step of work: chunks to compute, and requests the batcher gave up on."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    rejected: list[tuple[Request, Exception]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@runtime_checkable
+class Batcher(Protocol):
+    """The step loop's scheduler.
+
+    Contract: `schedule()` returns the work of the next step under the token
+    and sequence budgets, having reserved KV blocks for every chunk it returns;
+    the step loop then advances `num_computed_tokens` and reports finished or
+    aborted requests with `finish()`, which releases their blocks.
+    `take_batch()` is the static-batch variant for backends that run a whole
+    batch to completion (`hf`).
+    """
+
+    def add(self, request: Request) -> None: ...
+    def finish(self, request: Request) -> None: ...
+    def schedule(self) -> StepPlan: ...
+    def take_batch(self) -> list[Request]: ...
+    def has_work(self) -> bool: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ModelBackend(Protocol):
+    """Runs the model. `paged` backends implement `execute(plan)` and return the
+    logits of the sampling chunks; static backends implement `run_batch`."""
+
+    def load(self, ctx: EngineContext, model: Any) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
+class PagedBackend(ModelBackend, Protocol):
+    def execute(self, plan: StepPlan) -> torch.Tensor: ...
+
+
+class StaticBackend(ModelBackend, Protocol):
+    def run_batch(self, requests: Sequence[Request], on_tokens: Callable[..., None]) -> None: ...

@@ -1,0 +1,138 @@
+"""Plugin discovery through entry points.
+
+Built-in stages and backends are registered in tokenflow's own pyproject.toml
+exactly as a third party registers theirs, and load through this one path.
+`TOKENFLOW_PLUGINS` is an allow-list of third-party entry-point names
+(comma-separated; empty or unset allows all, `none` allows none); built-ins
+always load.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+from tokenflow.errors import PluginError
+from tokenflow.protocols import Batcher, ModelBackend, RequestStage
+
+__all__ = ("BACKENDS", "STAGES", "PluginInfo", "find", "list_plugins", "load_backend", "load_stage")
+
+STAGES = "tokenflow.stages"
+BACKENDS = "tokenflow.backends"
+_BUILTIN_DIST = "tokenflow"
+
+# Which protocol makes which kind, checked in order.
+_KINDS: tuple[tuple[str, type], ...] = (
+    ("request", RequestStage),
+    ("loop", Batcher),
+    ("backend", ModelBackend),
+)
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str
+    group: str
+    value: str
+    origin: str  # distribution name and version
+    builtin: bool
+    allowed: bool
+
+
+def _origin(ep: EntryPoint) -> tuple[str, bool]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "unknown", False
+    name = dist.metadata["Name"] or "unknown"
+    return f"{name} {dist.version}", name.lower() == _BUILTIN_DIST
+
+
+def _allow_list() -> set[str] | None:
+    raw = os.environ.get("TOKENFLOW_PLUGINS", "").strip()
+    if not raw:
+        return None
+    if raw.lower() == "none":
+        return set()
+    return {item.strip() for item in raw.split(",") if item.strip()}
+
+
+def list_plugins(group: str | None = None) -> list[PluginInfo]:
+    allowed = _allow_list()
+    found: list[PluginInfo] = []
+    for grp in (group,) if group else (STAGES, BACKENDS):
+        for ep in sorted(entry_points(group=grp), key=lambda e: e.name):
+            origin, builtin = _origin(ep)
+            ok = builtin or allowed is None or ep.name in allowed
+            found.append(PluginInfo(ep.name, grp, ep.value, origin, builtin, ok))
+    return found
+
+
+def find(group: str, name: str) -> EntryPoint:
+    matches = [ep for ep in entry_points(group=group) if ep.name == name]
+    if not matches:
+        known = ", ".join(sorted(ep.name for ep in entry_points(group=group))) or "none"
+        raise PluginError(f"no plugin named {name!r} in entry-point group {group!r} (found: {known})")
+    # A third-party plugin may not shadow a built-in silently: prefer the built-in.
+    matches.sort(key=lambda ep: not _origin(ep)[1])
+    ep = matches[0]
+    origin, builtin = _origin(ep)
+    allowed = _allow_list()
+    if not builtin and allowed is not None and name not in allowed:
+        raise PluginError(
+            f"plugin {name!r} ({ep.value}, from {origin}) is not in TOKENFLOW_PLUGINS; add it to load it"
+        )
+    return ep
+
+
+def _load_factory(ep: EntryPoint) -> Callable[..., Any]:
+    try:
+        factory = ep.load()
+    except Exception as exc:
+        raise PluginError(f"entry point {ep.group}:{ep.name} = {ep.value!r} failed to import: {exc!r}") from exc
+    if not callable(factory):
+        raise PluginError(f"entry point {ep.group}:{ep.name} = {ep.value!r} is not callable")
+    return factory
+
+
+def kind_of(obj: Any) -> str | None:
+    for kind, proto in _KINDS:
+        if isinstance(obj, proto):
+            return kind
+    return None
+
+
+def _missing(obj: Any, proto: type) -> list[str]:
+    names = [n for n in dir(proto) if not n.startswith("_")]
+    return [n for n in names if not callable(getattr(obj, n, None))]
+
+
+def _build(group: str, name: str, config: Any, expected: tuple[str, ...]) -> Any:
+    ep = find(group, name)
+    factory = _load_factory(ep)
+    try:
+        obj = factory(config)
+    except Exception as exc:
+        raise PluginError(f"entry point {group}:{name} = {ep.value!r}: factory failed: {exc!r}") from exc
+    kind = kind_of(obj)
+    if kind not in expected:
+        proto = dict(_KINDS)[expected[0]]
+        missing = ", ".join(_missing(obj, proto)) or "(unknown)"
+        raise PluginError(
+            f"entry point {group}:{name} = {ep.value!r} returned {type(obj).__name__}, which does not "
+            f"implement the {expected[0]} protocol {proto.__name__}: missing {missing}"
+        )
+    if kind == "request" and not inspect.iscoroutinefunction(obj.handle):
+        raise PluginError(f"entry point {group}:{name}: `handle` must be an async method")
+    return obj
+
+
+def load_stage(name: str, config: Any, *, kinds: tuple[str, ...] = ("request", "loop")) -> Any:
+    return _build(STAGES, name, config, kinds)
+
+
+def load_backend(name: str, config: Any) -> Any:
+    return _build(BACKENDS, name, config, ("backend",))

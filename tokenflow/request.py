@@ -1,0 +1,116 @@
+"""A request's state inside the engine and the collector that hands its
+output from the step loop to the caller's task.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from tokenflow.params import Chunk, SamplingParams, TokenLogprob
+
+__all__ = ("OutputCollector", "Request", "RequestStatus")
+
+_ids = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    ADMITTING = "admitting"  # on the request path (stages)
+    WAITING = "waiting"  # queued for the batcher
+    RUNNING = "running"  # has KV blocks / is in a batch
+    FINISHED = "finished"
+
+
+class OutputCollector:
+    """Single-consumer mailbox between the step loop and one caller.
+
+    The step loop `put`s chunks without waiting; when the caller lags, pending
+    chunks merge into one so memory stays bounded by the output itself.
+    """
+
+    def __init__(self) -> None:
+        self._pending: Chunk | None = None
+        self._error: BaseException | None = None
+        self._ready = anyio.Event()
+
+    def put(self, chunk: Chunk) -> None:
+        if self._pending is None:
+            self._pending = chunk
+        else:
+            merged = self._pending
+            merged.text += chunk.text
+            merged.token_ids.extend(chunk.token_ids)
+            if chunk.logprobs is not None:
+                merged.logprobs = (merged.logprobs or []) + chunk.logprobs
+            merged.finish_reason = chunk.finish_reason
+            merged.stop_reason = chunk.stop_reason
+            merged.usage = chunk.usage
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._ready.set()
+
+    async def get(self) -> Chunk:
+        """Next chunk (merged if several arrived); raises the request's error."""
+        while True:
+            if self._pending is not None:
+                chunk, self._pending = self._pending, None
+                return chunk
+            if self._error is not None:
+                raise self._error
+            await self._ready.wait()
+            self._ready = anyio.Event()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. Stages read and fill it on the request path;
+    the batcher and model stage advance it in the step loop.
+
+    Invariant: `num_computed_tokens <= len(all_token_ids)`; the KV cache holds
+    exactly the first `num_computed_tokens` tokens in `block_table`.
+    """
+
+    params: SamplingParams
+    prompt: str | None = None
+    messages: Sequence[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival_time: float = 0.0
+    deadline: float | None = None
+    status: RequestStatus = RequestStatus.ADMITTING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""
+    collector: OutputCollector = field(default_factory=OutputCollector)
+    # Per-request helpers set by stages: a seeded torch.Generator, the detokenizer, ...
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids or ())
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return (self.prompt_token_ids or []) + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,186 @@
+"""The `batcher` stage: who runs each step.
+
+Step-level scheduling (the `paged` backend) follows one rule, as in vLLM v1:
+there are no prefill and decode phases; every step each running request's
+computed tokens catch up towards its known tokens within a token budget
+(`max_batch_tokens`) and a sequence budget (`max_num_seqs`). Running requests
+go first (a decode costs one token, a long prompt continues in chunks), then
+waiting requests are admitted in (priority, arrival) order while budget and
+KV blocks last. When blocks run out, the latest-arrived request of the lowest
+priority is preempted by recomputation: its blocks are dropped and it
+rejoins the front of the queue, keeping its generated tokens.
+
+Static batching (the `hf` backend) takes a batch of waiting requests from one
+prompt-length bucket so padding stays small.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any
+
+from tokenflow.config import EngineConfig
+from tokenflow.errors import InvalidRequest, Overloaded
+from tokenflow.protocols import EngineContext, ScheduledChunk, StepPlan
+from tokenflow.request import Request, RequestStatus
+
+__all__ = ("BucketingBatcher", "create")
+
+
+def _order(request: Request) -> tuple[int, float]:
+    return (request.params.priority, request.arrival_time)
+
+
+class BucketingBatcher:
+    def __init__(self, config: EngineConfig) -> None:
+        self.max_batch_tokens = config.max_batch_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_queue = config.max_queue
+        self.bucket_edges = sorted(config.length_buckets)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.pool: Any = None  # BlockPool, when the backend is paged
+        self.max_model_len = 0
+        self.num_preemptions = 0
+        self.last_schedule_us = 0.0
+
+    async def start(self, ctx: EngineContext) -> None:
+        self.pool = ctx.shared.get("block_pool")
+        self.max_model_len = ctx.max_model_len
+
+    # -- queue -------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise Overloaded(f"the waiting queue is full ({self.max_queue} requests)", retry_after=1.0)
+        if self.pool is not None:
+            # A request that could never fit would be preempted forever: refuse it now.
+            longest = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
+            needed = self.pool.blocks_needed(longest)
+            if needed > self.pool.num_blocks:
+                raise InvalidRequest(
+                    f"prompt + max_tokens need {needed} KV blocks but the whole pool has "
+                    f"{self.pool.num_blocks}; lower max_tokens or enlarge the KV cache",
+                    field="max_tokens",
+                )
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=_order)
+
+    def finish(self, request: Request) -> None:
+        """Forget a finished or aborted request and release its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, request: Request) -> None:
+        if request.block_table and self.pool is not None:
+            self.pool.free(request.block_table)
+        request.block_table = []
+
+    # -- step-level scheduling (paged) ------------------------------------
+    def schedule(self) -> StepPlan:
+        started = time.perf_counter()
+        plan = StepPlan()
+        budget = self.max_batch_tokens
+        scheduled: set[int] = set()
+        for request in sorted(self.running, key=_order):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            if not self._reserve(request, num_new, plan, scheduled):
+                continue
+            plan.chunks.append(ScheduledChunk(request, num_new))
+            scheduled.add(id(request))
+            budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            needed = self.pool.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_table)
+            if not self.pool.can_allocate(needed):
+                if not self.running and not plan.chunks:
+                    # Nothing will ever free blocks for it: fail it rather than hang.
+                    self.waiting.pop(0)
+                    plan.rejected.append((request, InvalidRequest(
+                        f"request needs {needed} KV blocks but only {self.pool.num_free} exist", field="prompt")))
+                    continue
+                break
+            self.waiting.pop(0)
+            request.block_table.extend(self.pool.allocate(needed))
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.chunks.append(ScheduledChunk(request, num_new))
+            scheduled.add(id(request))
+            budget -= num_new
+        self.last_schedule_us = (time.perf_counter() - started) * 1e6
+        return plan
+
+    def _reserve(self, request: Request, num_new: int, plan: StepPlan, scheduled: set[int]) -> bool:
+        """Give `request` blocks for `num_new` more tokens, preempting others if needed."""
+        needed = self.pool.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_table)
+        while needed > 0 and not self.pool.can_allocate(needed):
+            victim = self._pick_victim(exclude=request)
+            if victim is None:
+                self._preempt(request, plan)
+                return False
+            if id(victim) in scheduled:
+                plan.chunks = [c for c in plan.chunks if c.request is not victim]
+                scheduled.discard(id(victim))
+            self._preempt(victim, plan)
+        if needed > 0:
+            request.block_table.extend(self.pool.allocate(needed))
+        return True
+
+    def _pick_victim(self, exclude: Request) -> Request | None:
+        candidates = [r for r in self.running if r is not exclude and r.status is RequestStatus.RUNNING]
+        if not candidates:
+            return None
+        # Lowest priority (largest value) first, then the latest arrival.
+        return max(candidates, key=_order)
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.insert(0, request)
+        plan.preempted.append(request)
+
+    # -- static batching (hf) ----------------------------------------------
+    def bucket_of(self, num_tokens: int) -> int:
+        i = bisect.bisect_left(self.bucket_edges, num_tokens)
+        return self.bucket_edges[i] if i < len(self.bucket_edges) else num_tokens
+
+    def take_batch(self) -> list[Request]:
+        """The oldest request of the best priority, plus waiting requests of its length bucket."""
+        if not self.waiting:
+            return []
+        head = self.waiting[0]
+        bucket = self.bucket_of(head.num_prompt_tokens)
+        batch = [r for r in self.waiting if self.bucket_of(r.num_prompt_tokens) == bucket][: self.max_num_seqs]
+        for request in batch:
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        return batch
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_waiting": len(self.waiting),
+            "num_running": len(self.running),
+            "num_preemptions": self.num_preemptions,
+            "schedule_us": round(self.last_schedule_us, 1),
+        }
+
+
+def create(config: EngineConfig) -> BucketingBatcher:
+    return BucketingBatcher(config)

@@ -1,0 +1,230 @@
+"""The step loop: the one task that owns the model.
+
+Each step: reap aborted requests (their blocks go back to the pool), ask the
+batcher for a plan, run the model and sampler in a worker thread, then turn
+the sampled tokens into chunks on the event loop. Request objects are only
+mutated on the event loop, between steps, so the worker never sees a request
+change under it (an abort only flips its status, which the worker ignores).
+
+A failed step fails the requests of that step with `EngineError`; after
+`MAX_CONSECUTIVE_FAILURES` failed steps in a row the engine is dead and every
+pending caller gets `EngineError`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+
+from tokenflow.errors import EngineError
+from tokenflow.model.hf_backend import row_of
+from tokenflow.model.loader import LoadedModel
+from tokenflow.model.sampler import Sampler, SamplerOutput
+from tokenflow.output import OutputProcessor
+from tokenflow.protocols import StepPlan
+from tokenflow.request import Request, RequestStatus
+
+__all__ = ("MAX_CONSECUTIVE_FAILURES", "StepLoop")
+
+log = logging.getLogger("tokenflow")
+
+MAX_CONSECUTIVE_FAILURES = 3
+_RATE_WINDOW_S = 10.0
+
+
+class StepLoop:
+    def __init__(self, backend: Any, batcher: Any, output: OutputProcessor, loaded: LoadedModel) -> None:
+        self.backend = backend
+        self.batcher = batcher
+        self.output = output
+        self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
+        self.static = bool(getattr(backend, "static", False))
+        self.dead = False
+        self._wake = anyio.Event()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._aborted: list[Request] = []
+        self._failures = 0
+        self.num_steps = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_failed = 0
+        self.last_step_ms = 0.0
+        self.last_forward_ms = 0.0
+        self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
+
+    # -- called from callers' tasks -------------------------------------------
+    def add(self, request: Request) -> None:
+        self.batcher.add(request)  # may raise InvalidRequest: the caller gets it
+        self._idle = anyio.Event() if self._idle.is_set() else self._idle
+        self._wake.set()
+
+    def abort(self, request: Request) -> None:
+        """Mark `request` finished now; its blocks are released at the next step boundary."""
+        if request.status is RequestStatus.FINISHED:
+            return
+        queued = request.status in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        request.status = RequestStatus.FINISHED
+        self.output.finish_aborted(request)
+        self.num_aborted += 1
+        if queued:
+            self._aborted.append(request)
+            self._wake.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def fail_all(self, error: Exception) -> None:
+        for request in [*self.batcher.waiting, *self.batcher.running]:
+            self._fail(request, error)
+
+    # -- the loop -------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            try:
+                while True:
+                    self._reap_aborted()
+                    if not self.batcher.has_work():
+                        break
+                    if self.static:
+                        await self._run_static_batch()
+                    else:
+                        await self._run_step()
+                    await anyio.lowlevel.checkpoint()
+            except Exception as exc:  # a bug in scheduling or output handling: fail loudly, never hang
+                log.exception("tokenflow step loop crashed")
+                self._die(exc)
+            self._check_idle_leak()
+            self._idle.set()
+
+    async def _run_step(self) -> None:
+        plan = self.batcher.schedule()
+        for request, error in plan.rejected:
+            self._fail(request, error)
+        if not plan.chunks:
+            await anyio.sleep(0.001)  # waiting for blocks that an abort will free
+            return
+        started = time.perf_counter()
+        try:
+            result = await anyio.to_thread.run_sync(self._execute, plan)
+        except Exception as exc:
+            self._step_failed([c.request for c in plan.chunks], exc)
+            return
+        self._failures = 0
+        self.num_steps += 1
+        samplers = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            if chunk.samples:
+                samplers.append(request)
+            request.num_computed_tokens += chunk.num_tokens
+        items = [
+            (request, token, result.logprobs[i] if result.logprobs is not None else None)
+            for i, (request, token) in enumerate(zip(samplers, result.token_ids))
+        ]
+        self._accept_tokens(items)
+        self.last_step_ms = (time.perf_counter() - started) * 1e3
+
+    def _execute(self, plan: StepPlan) -> SamplerOutput:
+        """Worker thread: forward + sample."""
+        t0 = time.perf_counter()
+        logits = self.backend.execute(plan)
+        self.last_forward_ms = (time.perf_counter() - t0) * 1e3
+        rows = [row_of(c.request) for c in plan.chunks if c.samples]
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=None)
+        return self.sampler.sample(logits, rows)
+
+    async def _run_static_batch(self) -> None:
+        batch = self.batcher.take_batch()
+        if not batch:
+            return
+
+        def on_tokens(items: list[tuple[Request, int, Any]]) -> None:
+            anyio.from_thread.run_sync(self._accept_tokens, items)
+
+        started = time.perf_counter()
+        try:
+            await anyio.to_thread.run_sync(self.backend.run_batch, batch, on_tokens)
+            self._failures = 0
+        except Exception as exc:
+            self._step_failed([r for r in batch if not r.finished], exc)
+        for request in batch:
+            if not request.finished:  # generate hit its token budget first: a length finish
+                self.output.finish_length(request)
+                self.num_finished += 1
+            self.batcher.finish(request)
+        self.num_steps += 1
+        self.last_step_ms = (time.perf_counter() - started) * 1e3
+
+    def _accept_tokens(self, items: list[tuple[Request, int, Any]]) -> None:
+        now = time.monotonic()
+        count = 0
+        for request, token, logprob in items:
+            if request.status is RequestStatus.FINISHED:
+                continue  # aborted while the step ran
+            count += 1
+            if self.output.append(request, token, logprob):
+                self.batcher.finish(request)
+                self.num_finished += 1
+        self._recent_tokens.append((now, count))
+        while self._recent_tokens and now - self._recent_tokens[0][0] > _RATE_WINDOW_S:
+            self._recent_tokens.popleft()
+
+    def _reap_aborted(self) -> None:
+        aborted, self._aborted = self._aborted, []
+        for request in aborted:
+            self.batcher.finish(request)
+
+    # -- failures ---------------------------------------------------------------
+    def _fail(self, request: Request, error: Exception) -> None:
+        if request.status is not RequestStatus.FINISHED:
+            self.num_failed += 1
+        self.batcher.finish(request)
+        request.collector.fail(error)
+
+    def _step_failed(self, requests: list[Request], exc: Exception) -> None:
+        self._failures += 1
+        log.error("model step failed (%d in a row): %r", self._failures, exc)
+        error = EngineError(f"the model step failed: {exc!r}")
+        error.__cause__ = exc
+        for request in requests:
+            self._fail(request, error)
+        if self._failures >= MAX_CONSECUTIVE_FAILURES:
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        self.dead = True
+        error = EngineError(f"the engine died after repeated failures: {exc!r}")
+        self.fail_all(error)
+
+    def _check_idle_leak(self) -> None:
+        pool = getattr(self.batcher, "pool", None)
+        if pool is not None and pool.num_used:
+            log.error("idle engine still holds %d KV blocks referenced", pool.num_used)
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in self._recent_tokens if now - t <= _RATE_WINDOW_S]
+        span = (now - recent[0][0]) if recent else 0.0
+        stats = {
+            "num_steps": self.num_steps,
+            "num_finished": self.num_finished,
+            "num_aborted": self.num_aborted,
+            "num_failed": self.num_failed,
+            "step_time_ms": round(self.last_step_ms, 2),
+            "forward_time_ms": round(self.last_forward_ms, 2),
+            "tokens_per_s": round(sum(n for _, n in recent) / span, 1) if span > 0 else 0.0,
+            "dead": self.dead,
+        }
+        stats.update(self.batcher.stats())
+        stats.update(self.backend.stats())
+        return stats
