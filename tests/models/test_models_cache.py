@@ -183,6 +183,15 @@ def test_progress_bar_names_stages(
     assert "convert" in err and "save" in err and "done" in err
     resolve_model(tiny_gguf, home=tmp_path / "b", progress=False)
     assert capsys.readouterr().err == ""
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # the global switch was restored
+
+
+def test_unwritable_home(tiny_gguf: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ModelLoadError, match="TOKENFLOW_HOME"):
+        resolve_model(tiny_gguf, home=tmp_path / "file" / "home", progress=False)
 
 
 def test_converted_files_are_world_readable(tiny_gguf: Path, tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def real_tokenizer() -> Any:
     elif (_DEV_FALLBACK / "tokenizer.json").is_file():
         path = _DEV_FALLBACK
     else:
-        pytest.skip("no SmolLM2 tokenizer: tokenflow.models.resolve_model is missing and /tmp/smollm2-hf is absent")
+        pytest.skip("no SmolLM2 tokenizer: no tokenflow.models.resolve_model and no /tmp/smollm2-hf")
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tokenflow.errors import ModelLoadError
+
 try:  # POSIX only; elsewhere the atomic rename alone keeps the cache consistent.
     import fcntl
 except ImportError:  # pragma: no cover - not reachable on Linux/macOS
@@ -72,7 +74,11 @@ def file_lock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as handle:
         if fcntl is not None:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.warning("waiting for another process to finish preparing %s", path.name)
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -95,6 +101,18 @@ def ensure_folder(
     """
     if cached_folder(dest, source_sha256):
         return dest
+    try:
+        return _build_locked(dest, source_sha256, build, meta)
+    except OSError as exc:
+        raise ModelLoadError(
+            f"could not prepare the model cache folder {dest}: {exc}. Check free disk space and "
+            "permissions, or point $TOKENFLOW_HOME at a writable folder."
+        ) from exc
+
+
+def _build_locked(
+    dest: Path, source_sha256: str, build: Callable[[Path], None], meta: dict[str, Any] | None
+) -> Path:
     root = dest.parent
     root.mkdir(parents=True, exist_ok=True)
     with file_lock(root / f".{dest.name}.lock"):

@@ -1,8 +1,9 @@
 """A single progress bar over the named stages of a model conversion.
 
-Converting the embedded GGUF takes most of a minute with no output of its own
-worth reading, so users see one bar that names the stage it is in and how long
-it has been running, instead of wondering whether the process hung.
+Preparing the embedded model takes up to a minute in steps of very different
+length (fetch, verify, convert, save), so users see one bar that names the step
+it is in and how long it has been running, instead of wondering whether the
+process hung.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ class StageBar:
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         """Show `name` while the block runs, then count it as done."""
-        self._bar.set_description(f"{self._title} ({name})", refresh=True)
+        self._bar.set_description_str(f"{self._title} ({name})", refresh=True)
         yield
         self._bar.update(1)
 
     def close(self, *, failed: bool = False) -> None:
-        self._bar.set_description(f"{self._title} ({'failed' if failed else 'done'})", refresh=False)
+        self._bar.set_description_str(f"{self._title} ({'failed' if failed else 'done'})", refresh=False)
         self._bar.close()
 
     def __enter__(self) -> StageBar:

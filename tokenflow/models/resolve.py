@@ -9,7 +9,6 @@ expected, because a bare "not found" from deep inside transformers is hard to ac
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from dataclasses import dataclass
@@ -30,8 +29,6 @@ DEFAULT_MODEL = "smollm2-135m"
 HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,11 @@ Invariants (`out` = ids pushed, `D(ids)` = `tokenizer.decode(ids, skip_special_t
 
 from __future__ import annotations
 
-import codecs
 import functools
 import json
 import re
 import weakref
+from codecs import utf_8_decode as _utf8_decode
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -155,29 +155,34 @@ def _wrapper_cleans_up(tokenizer: Any, backend: Tokenizer) -> bool:
 
 
 class _BytePath:
-    """Byte-level strategy: id -> bytes -> incremental UTF-8 decoder."""
+    """Byte-level strategy: id -> bytes -> incremental UTF-8 decode (errors="replace").
 
-    __slots__ = ("_decoder", "_pieces", "_skip")
+    `_pending` holds the bytes of an incomplete trailing character (at most 3).
+    """
+
+    __slots__ = ("_pending", "_pieces", "_skip")
 
     def __init__(self, info: _TokenizerInfo, skip_special_tokens: bool) -> None:
         self._pieces = info.pieces
         self._skip = info.special_ids if skip_special_tokens else frozenset()
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = b""
 
     def push(self, token_id: int) -> str:
         if token_id in self._skip or token_id >= len(self._pieces):
             return ""  # the full decode drops these ids without breaking a byte sequence
-        text = self._decoder.decode(self._pieces[token_id])
-        pending = self._decoder.getstate()[0]
+        data = self._pending + self._pieces[token_id] if self._pending else self._pieces[token_id]
+        text, used = _utf8_decode(data, "replace", False)
+        pending = self._pending = data[used:]
         if len(pending) > 1 and pending[0] == 0xED and pending[1] >= 0xA0:
             # Python waits for a third byte before rejecting a surrogate (ED A0..BF);
             # it can never become valid, and the full decode shows it at once.
-            text += self._decoder.decode(b"", final=True)
-            self._decoder.reset()
+            text += _utf8_decode(pending, "replace", True)[0]
+            self._pending = b""
         return text
 
     def flush(self) -> str:
-        return self._decoder.decode(b"", final=True)
+        pending, self._pending = self._pending, b""
+        return _utf8_decode(pending, "replace", True)[0]
 
 
 class _WindowPath:
@@ -231,9 +236,15 @@ class _WindowPath:
             # byte if any is invalid), so text inside an open run may still change.
             self._open_run = token_id in self._fallback
         text = self._decode(ids)
-        unsettled = self._open_run or text.endswith(_FFFD)
-        if unsettled and len(ids) - self._clean <= MAX_HELD_TOKENS:
+        if not (self._open_run or text.endswith(_FFFD)):
+            return self._settle(text)
+        if len(ids) - self._clean <= MAX_HELD_TOKENS:
             return ""
+        return self._force(text)
+
+    def _settle(self, text: str) -> str:
+        """All ids decode to `text` and nothing is pending: emit the new part, slide."""
+        ids = self._ids
         delta = text[self._clean_len :]
         self._clean = len(ids)
         self._clean_len = len(text)
@@ -244,6 +255,21 @@ class _WindowPath:
             self._clean = len(ids)
             self._clean_len = len(self._decode(ids))
         return delta
+
+    def _force(self, text: str) -> str:
+        """Too many ids pending (a long byte run, or bytes that never become valid).
+        Emit up to the last cut that still leaves some ids pending and whose text does
+        not end in U+FFFD (a character boundary), then restart the window at that cut
+        so emitted bytes are never decoded again; with no such cut, emit everything."""
+        ids = self._ids
+        for cut in range(len(ids) - 1, self._clean, -1):
+            head = self._decode(ids[:cut])
+            if not head.endswith(_FFFD):
+                delta = head[self._clean_len :]
+                del ids[:cut]
+                self._clean = self._clean_len = 0
+                return delta
+        return self._settle(text)
 
     def flush(self) -> str:
         text = self._decode(self._ids)

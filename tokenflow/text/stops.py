@@ -28,7 +28,7 @@ __all__ = ("StopStringMatcher",)
 class StopStringMatcher:
     """Finds the earliest stop string in text fed in pieces; see the module doc."""
 
-    __slots__ = ("_done", "_held", "_include", "_max_held", "_prefixes", "_stops", "matched")
+    __slots__ = ("_done", "_firsts", "_held", "_include", "_max_held", "_prefixes", "_stops", "matched")
 
     def __init__(self, stop: Sequence[str], *, include_stop: bool = False) -> None:
         if isinstance(stop, str):
@@ -40,6 +40,7 @@ class StopStringMatcher:
         self._include = include_stop
         # Every proper prefix of every stop: the only suffixes worth holding back.
         self._prefixes = frozenset(s[:k] for s in stops for k in range(1, len(s)))
+        self._firsts = tuple({p[0] for p in self._prefixes})  # chars a held suffix can start with
         self._max_held = max((len(s) for s in stops), default=1) - 1
         self._held = ""
         self._done = False
@@ -54,33 +55,38 @@ class StopStringMatcher:
         """Add a delta; return (text safe to show now, matched stop or None)."""
         if self._done or not delta:
             return "", None
-        buf = self._held + delta
+        buf = self._held + delta if self._held else delta
         # `_held` contains no complete stop (it would have matched earlier), and no
         # occurrence can start before it (it is the longest stop-prefix suffix), so
         # the earliest match in `buf` is the earliest match in the whole text.
         best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for s in self._stops:
-            i = buf.find(s)
-            if i >= 0:
-                cand = (i + len(s), i, s)
-                if best is None or cand[:2] < best[:2]:
-                    best = cand
+        for stop in self._stops:
+            i = buf.find(stop)
+            if i >= 0 and (best is None or (i + len(stop), i) < best[:2]):
+                best = (i + len(stop), i, stop)
         if best is not None:
-            _, start, s = best
+            _, start, stop = best
             self._done = True
             self._held = ""
-            self.matched = s
-            return (buf[:start] + s if self._include else buf[:start]), s
+            self.matched = stop
+            return (buf[:start] + stop if self._include else buf[:start]), stop
         keep = self._held_suffix(buf)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], None
 
     def _held_suffix(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of a stop."""
+        start = max(0, len(buf) - self._max_held)
+        tail = buf[start:]
+        for c in self._firsts:
+            if c in tail:
+                break
+        else:
+            return 0  # the common case: no stop can start in the tail
         prefixes = self._prefixes
-        for k in range(min(len(buf), self._max_held), 0, -1):
-            if buf[-k:] in prefixes:
-                return k
+        for i in range(start, len(buf)):
+            if buf[i:] in prefixes:
+                return len(buf) - i
         return 0
 
     def flush(self) -> str:

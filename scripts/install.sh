@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv and install tokenflow with its test extras.
+# On a machine without an NVIDIA GPU it installs the CPU build of torch 2.13
+# (set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI's
+# default torch wheel would be the multi-GB CUDA build); with a GPU, plain
+# `torch` from PyPI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "${PIP[@]}" torch
+else
+    "${PIP[@]}" "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+fi
+"${PIP[@]}" -e ".[dev]" -e plugins/tokenflow-redact
+.venv/bin/python - <<'PY'
+import torch
+kind = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"
+print(f"tokenflow installed in .venv (torch {torch.__version__}, {kind} build)")
+PY

@@ -1,0 +1,88 @@
+"""Slow tests on the real embedded default model (SmolLM2-135M-Instruct, fp32)."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+import torch
+
+from tokenflow import Engine
+
+pytestmark = pytest.mark.slow
+
+WORDS = ("the river flows past old stone bridges while children play near the water and birds sing "
+         "about summer light across quiet villages where people share bread stories music and warm tea").split()
+
+
+def text_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    words = " ".join(rng.choice(WORDS) for _ in range(num_tokens * 2))
+    return tokenizer(words)["input_ids"][:num_tokens]
+
+
+def hf_greedy_with_logprobs(model, prompt: list[int], max_new_tokens: int):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    tops = []
+    for scores in out.scores:
+        lp = torch.log_softmax(scores[0].float(), -1)
+        top = lp.topk(5)
+        tops.append(dict(zip(top.indices.tolist(), top.values.tolist())))
+    return tokens, tops
+
+
+def check_logprobs_close(ours_tokens, ours_tops, ref_tokens, ref_tops, name: str) -> bool:
+    """vLLM's rule: identical up to the first divergence; there, each side's token is in the other's top-5.
+    Returns True when fully identical."""
+    for i, (a, b) in enumerate(zip(ours_tokens, ref_tokens)):
+        if a != b:
+            assert a in ref_tops[i] and b in ours_tops[i], f"{name}: diverged at {i}: {a} vs {b}"
+            return False
+    assert len(ours_tokens) == len(ref_tokens) or ours_tokens[-1] in (2,) or ref_tokens[-1] in (2,), name
+    return True
+
+
+async def test_embedded_model_knows_paris(real_model) -> None:
+    async with Engine(real_model) as engine:
+        done = await engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+                                 max_tokens=32, temperature=0.0)
+    assert "Paris" in done.text, done.text
+
+
+@pytest.mark.parametrize("backend", ["hf", "paged"])
+async def test_greedy_oracle_on_the_real_model(real_model, real_hf_model, backend) -> None:
+    """hf: 8 prompts; paged: 32 prompts of 5-1,500 tokens, 16 at a time, arriving while others decode,
+    with a 256-token budget so long prompts prefill over several steps."""
+    model, tokenizer = real_hf_model
+    if backend == "hf":
+        lengths = [5, 12, 30, 64, 100, 180, 260, 400]
+        settings = dict(backend="hf", max_num_seqs=8)
+    else:
+        lengths = [5 + (1500 - 5) * i // 31 for i in range(32)]
+        settings = dict(backend="paged", max_num_seqs=16, max_batch_tokens=256)
+    prompts = [text_prompt(tokenizer, n, seed=i) for i, n in enumerate(lengths)]
+    max_new = 12
+    results: dict[int, object] = {}
+    limiter = anyio.Semaphore(16)
+
+    async def one(engine: Engine, i: int) -> None:
+        async with limiter:
+            await anyio.sleep(0.02 * (i % 16))
+            results[i] = await engine.generate(prompts[i], max_tokens=max_new, temperature=0.0, logprobs=5)
+
+    async with Engine(real_model, **settings) as engine:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, engine, i)
+        assert engine.stats().get("kv_blocks_used", 0) == 0
+    identical = 0
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_tops = hf_greedy_with_logprobs(model, prompt, max_new)
+        done = results[i]
+        ours_tops = [lp.top for lp in done.logprobs]
+        identical += check_logprobs_close(done.token_ids, ours_tops, ref_tokens, ref_tops, f"prompt {i}")
+    assert identical >= len(prompts) - 2, f"only {identical}/{len(prompts)} identical"
