@@ -43,3 +43,13 @@ def _clean_tokenflow_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("TOKENFLOW_") and key not in ("TOKENFLOW_HOME",):
             monkeypatch.delenv(key)
+
+
+_REAL_MODEL_FIXTURES = {"real_model", "real_hf_model", "real_tokenizer"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that need the real model are slow (first use fetches and converts it)."""
+    for item in items:
+        if _REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

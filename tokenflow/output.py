@@ -67,28 +67,35 @@ class OutputProcessor:
         if finish is None and (num_out >= params.max_tokens or request.num_tokens >= self.max_model_len):
             finish = "length"
         if finish is not None:
-            text += self._flush(request, stopped_by_string=isinstance(request.stop_reason, str))
+            tail, matched = self._flush(request, stopped_by_string=isinstance(request.stop_reason, str))
+            text += tail
+            if matched is not None:
+                finish, request.stop_reason = "stop", matched
         self._emit(request, text, [token_id], logprob, finish)
         return finish is not None
 
     def finish_length(self, request: Request) -> None:
         """End a request whose backend stopped at its token budget without a final token."""
-        self._emit(request, self._flush(request, stopped_by_string=False), [], None, "length")
+        tail, matched = self._flush(request, stopped_by_string=False)
+        if matched is not None:
+            request.stop_reason = matched
+        self._emit(request, tail, [], None, "stop" if matched is not None else "length")
 
     def finish_aborted(self, request: Request) -> None:
         """End a request that was cancelled or timed out (no flush of held text)."""
         if request.finish_reason is None:
             request.finish_reason = "abort"
 
-    def _flush(self, request: Request, *, stopped_by_string: bool) -> str:
+    def _flush(self, request: Request, *, stopped_by_string: bool) -> tuple[str, str | None]:
+        """Text held back at the end; and the stop string if one completes only in that tail."""
         if stopped_by_string:
-            return ""  # text after a stop string is dropped
+            return "", None  # text after a stop string is dropped
         tail = request.extras["detokenizer"].flush()
         stops: StopStringMatcher | None = request.extras["stops"]
-        if stops is not None:
-            tail, _ = stops.feed(tail)
-            tail += stops.flush()
-        return tail
+        if stops is None:
+            return tail, None
+        tail, matched = stops.feed(tail)
+        return (tail, matched) if matched is not None else (tail + stops.flush(), None)
 
     def _emit(
         self, request: Request, text: str, token_ids: list[int], logprob: TokenLogprob | None, finish: str | None

@@ -15,7 +15,9 @@ def test_geometry_and_bytes() -> None:
     # SmolLM2-135M: 2 (K, V) * 30 layers * 16 slots * 3 heads * 64 dims * 4 bytes
     assert KVCache.bytes_per_block(cfg, 16, torch.float32) == 2 * 30 * 16 * 3 * 64 * 4
     assert KVCache.bytes_per_block(cfg, 16, torch.bfloat16) == 2 * 30 * 16 * 3 * 64 * 2
-    qwen3 = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    qwen3 = Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32
+    )
     assert KVCache.geometry(qwen3) == (2, 2, 32)  # explicit head_dim wins over hidden / heads
     mha = LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=None)
     assert KVCache.geometry(mha) == (1, 4, 16)
@@ -23,7 +25,13 @@ def test_geometry_and_bytes() -> None:
 
 def test_layout_and_views() -> None:
     cache = KVCache(
-        num_layers=2, num_kv_heads=3, head_dim=8, num_blocks=5, block_size=4, dtype=torch.bfloat16, device="cpu"
+        num_layers=2,
+        num_kv_heads=3,
+        head_dim=8,
+        num_blocks=5,
+        block_size=4,
+        dtype=torch.bfloat16,
+        device="cpu",
     )
     assert cache.k[0].shape == (5, 4, 3, 8) and cache.k[0].dtype == torch.bfloat16
     assert not cache.k[1].any()  # zeroed: masked padding must read finite values
@@ -37,7 +45,13 @@ def test_layout_and_views() -> None:
 
 def test_read_write_block_round_trip() -> None:
     cache = KVCache(
-        num_layers=3, num_kv_heads=2, head_dim=4, num_blocks=4, block_size=2, dtype=torch.float32, device="cpu"
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=4,
+        num_blocks=4,
+        block_size=2,
+        dtype=torch.float32,
+        device="cpu",
     )
     for layer in range(3):
         cache.k[layer].normal_()
@@ -55,4 +69,12 @@ def test_read_write_block_round_trip() -> None:
 
 def test_bad_geometry() -> None:
     with pytest.raises(ValueError):
-        KVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=0, block_size=2, dtype=torch.float32, device="cpu")
+        KVCache(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=4,
+            num_blocks=0,
+            block_size=2,
+            dtype=torch.float32,
+            device="cpu",
+        )

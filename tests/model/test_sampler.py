@@ -42,7 +42,7 @@ def logits_from_probs(probs: list[float], vocab: int = SMALL) -> torch.Tensor:
     return x
 
 
-def assert_freqs(counts: Counter[int], expected: dict[int, float], n: int, tol: float = 0.015) -> None:
+def assert_freqs(counts: Counter[int], expected: dict[int, float], n: int, tol: float = 0.02) -> None:
     assert set(counts) <= set(expected), f"unexpected tokens {set(counts) - set(expected)}"
     for tok, p in expected.items():
         assert abs(counts[tok] / n - p) < tol, (tok, counts[tok] / n, p)
@@ -108,14 +108,14 @@ def test_top_k_1_and_tiny_top_p_are_argmax(vocab: int) -> None:
 
 def test_top_k_keeps_k_tokens_renormalised() -> None:
     probs = [0.4, 0.3, 0.2, 0.1]
-    n = 20000
+    n = 10000
     counts = draw(logits_from_probs(probs), n, top_k=3)
     assert_freqs(counts, {1: 0.4 / 0.9, 2: 0.3 / 0.9, 3: 0.2 / 0.9}, n)
 
 
 def test_top_p_keeps_smallest_nucleus() -> None:
     probs = [0.5, 0.3, 0.15, 0.05]
-    n = 20000
+    n = 10000
     assert_freqs(draw(logits_from_probs(probs), n, top_p=0.7), {1: 0.5 / 0.8, 2: 0.3 / 0.8}, n)
     # 0.5 + 0.3 < 0.85: the third token is needed to reach p
     three = {1: 0.5 / 0.95, 2: 0.3 / 0.95, 3: 0.15 / 0.95}
@@ -124,14 +124,14 @@ def test_top_p_keeps_smallest_nucleus() -> None:
 
 def test_top_p_applies_to_the_top_k_set() -> None:
     probs = [0.3, 0.25, 0.2, 0.15, 0.1]
-    n = 20000
+    n = 10000
     # top_k=2 renormalises to 0.3/0.55 = 0.545 >= 0.5, so top_p=0.5 keeps one token only
     assert set(draw(logits_from_probs(probs), n, top_k=2, top_p=0.5)) == {1}
 
 
 def test_min_p_filters_relative_to_top_token() -> None:
     probs = [0.5, 0.3, 0.15, 0.05]
-    n = 20000
+    n = 10000
     # threshold 0.25 * 0.5 = 0.125 drops the 0.05 token
     three = {1: 0.5 / 0.95, 2: 0.3 / 0.95, 3: 0.15 / 0.95}
     assert_freqs(draw(logits_from_probs(probs), n, min_p=0.25), three, n)
@@ -142,7 +142,7 @@ def test_min_p_filters_relative_to_top_token() -> None:
 def test_temperature_frequencies(temperature: float) -> None:
     logits = torch.full((SMALL,), -40.0)
     logits[[3, 7, 11, 20]] = torch.tensor([2.0, 1.0, 0.5, 0.0])
-    n = 20000
+    n = 10000
     expected = torch.softmax(logits / temperature, -1)
     assert_freqs(draw(logits, n, temperature=temperature), {t: expected[t].item() for t in (3, 7, 11, 20)}, n)
 
@@ -199,11 +199,12 @@ def reference_penalise(logits: torch.Tensor, rows: list[SamplingRow], eos: list[
             for t in {*eos, *p.stop_token_ids}:
                 if t < vocab:
                     out[i, t] = -math.inf
-        for t in set(r.prompt_token_ids) | set(r.output_token_ids):
+        for t in (set(r.prompt_token_ids) | set(r.output_token_ids)) & set(range(vocab)):
             v = out[i, t].item()
             out[i, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
         for t, c in Counter(r.output_token_ids).items():
-            out[i, t] -= p.frequency_penalty * c + p.presence_penalty
+            if t < vocab:
+                out[i, t] -= p.frequency_penalty * c + p.presence_penalty
     return out
 
 
@@ -219,11 +220,32 @@ def test_penalties_match_reference_formula() -> None:
                 presence_penalty=rng.choice([0.0, 0.5, -0.7]),
                 frequency_penalty=rng.choice([0.0, 0.3, -1.1]),
             )
-        prompt = [rng.randrange(SMALL) for _ in range(rng.randrange(0, 30))]
-        output = [rng.randrange(SMALL) for _ in range(rng.randrange(0, 30))]
+        # ids past the logits' width (tokenizer-only added tokens) are ignored
+        prompt = [rng.randrange(SMALL + 5) for _ in range(rng.randrange(0, 30))]
+        output = [rng.randrange(SMALL + 5) for _ in range(rng.randrange(0, 30))]
         rows.append(row(prompt, output, min_tokens=rng.choice([0, 10, 40]), stop_token_ids=[5, 6], **kw))
-    got = Sampler(SMALL, [EOS, 1])._penalise(logits, rows, owned=False)
+    got = logits.clone()
+    Sampler(SMALL, [EOS, 1])._adjust(got, rows)
     torch.testing.assert_close(got, reference_penalise(logits, rows, [EOS, 1]), rtol=1e-6, atol=1e-6)
+
+
+def test_penalties_in_a_regrouped_batch() -> None:
+    """Sampled rows are regrouped by truncation stage; penalties must follow their rows."""
+    rng = random.Random(1)
+    vocab = 300
+    logits = torch.randn(24, vocab, generator=torch.Generator().manual_seed(8))
+    shapes = [dict(temperature=0.0), dict(top_k=1), dict(top_k=1, top_p=0.5), dict(top_k=1, min_p=0.5),
+              dict(min_p=1.0), dict(top_p=1e-6), dict(top_k=100, top_p=1e-6)]
+    rows = []
+    for i in range(24):
+        output = [int(logits[i].argmax())] + [rng.randrange(vocab) for _ in range(5)]
+        pen = dict(repetition_penalty=2.0) if i % 3 else dict(presence_penalty=1.5, frequency_penalty=0.5)
+        rows.append(row([rng.randrange(vocab) for _ in range(5)], output, **pen, **shapes[i % len(shapes)]))
+    sampler = Sampler(vocab, [EOS])
+    expected = reference_penalise(logits, rows, [EOS]).argmax(-1).tolist()
+    for _ in range(2):  # again, with the scratch buffers already warm
+        assert sampler.sample(logits, rows).token_ids == expected
+    assert sampler.sample(logits[:5], rows[:5]).token_ids == expected[:5]
 
 
 def test_min_tokens_blocks_eos_and_stop_ids_until_reached() -> None:

@@ -9,27 +9,12 @@ from typing import Any
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-# Local-development fallback only: a converted copy of the SmolLM2-135M-Instruct
-# tokenizer. TODO(lead): drop it once `tokenflow.models.resolve_model` is always present.
-_DEV_FALLBACK = Path("/tmp/smollm2-hf")
-
-
 @pytest.fixture(scope="session")
-def real_tokenizer() -> Any:
+def real_tokenizer(real_model: Path) -> Any:
     """SmolLM2-135M-Instruct's tokenizer (byte-level BPE, vocab 49152) as transformers loads it."""
     from transformers import AutoTokenizer
 
-    try:
-        from tokenflow.models import resolve_model
-    except ImportError:  # resolve_model not written yet: local development only
-        resolve_model = None
-    if resolve_model is not None:
-        path = resolve_model("smollm2-135m").path
-    elif (_DEV_FALLBACK / "tokenizer.json").is_file():
-        path = _DEV_FALLBACK
-    else:
-        pytest.skip("no SmolLM2 tokenizer: no tokenflow.models.resolve_model and no /tmp/smollm2-hf")
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(real_model)
 
 
 _CHARS = "▁abcdefghijklmnopqrstuvwxyz.,!?'你好"
@@ -70,4 +55,34 @@ def metaspace_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE(_vocab(False), _MERGES, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return _with_specials(tok)
+
+
+@pytest.fixture(scope="session")
+def wordpiece_tokenizer() -> Tokenizer:
+    """BERT-style WordPiece: "##" continuations, decoder joins with spaces and cleans up " ." etc."""
+    words = [
+        "the",
+        "cat",
+        "##s",
+        "##ing",
+        ".",
+        ",",
+        "'",
+        "s",
+        "t",
+        "n",
+        "##n",
+        "do",
+        "!",
+        "?",
+        "a",
+        "##t",
+        "你",
+    ]
+    tok = Tokenizer(
+        models.WordPiece({w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *words])}, unk_token="<unk>")
+    )
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(cleanup=True)
     return _with_specials(tok)

@@ -164,11 +164,16 @@ def test_window_long_byte_run_and_bounded_window(llama_like_tokenizer: Tokenizer
     tok = llama_like_tokenizer
     text = "the " + "😀é中" * 12 + " the" * 200  # 108 byte tokens in one run, then many ordinary ones
     ids = tok.encode(text).ids
-    det = IncrementalDetokenizer(tok)
-    deltas = stream(det, ids)
-    assert "".join(deltas) == tok.decode(ids) == text
-    assert not any(FFFD in d for d in deltas)
-    assert len(det._impl._ids) <= _SLIDE_AFTER + 1
+    for prompt in ([], tok.encode("a cat").ids):
+        det = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
+        deltas = stream(det, ids)
+        assert "".join(deltas) == (" " if prompt else "") + text
+        assert not any(FFFD in d for d in deltas)
+        run = [k for k, i in enumerate(ids) if tok.id_to_token(i).startswith("<0x")]
+        assert len(run) == 108 and run == list(range(run[0], run[0] + 108))
+        # Not held back to the end of the run: emitted in pieces at least every MAX_HELD_TOKENS ids.
+        assert sum(1 for k in run if deltas[k]) >= len(run) // (MAX_HELD_TOKENS + 1)
+        assert len(det._impl._ids) <= _SLIDE_AFTER + 1
 
 
 def _toy_ids(tok: Tokenizer) -> st.SearchStrategy[int]:
@@ -177,7 +182,7 @@ def _toy_ids(tok: Tokenizer) -> st.SearchStrategy[int]:
     return st.one_of(st.integers(0, size + 1), *([st.sampled_from(byte_ids)] if byte_ids else []))
 
 
-@pytest.mark.parametrize("name", ["llama_like_tokenizer", "metaspace_tokenizer"])
+@pytest.mark.parametrize("name", ["llama_like_tokenizer", "metaspace_tokenizer", "wordpiece_tokenizer"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), skip=st.booleans())
 def test_window_invariant(request: pytest.FixtureRequest, name: str, data: st.DataObject, skip: bool) -> None:

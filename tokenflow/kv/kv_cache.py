@@ -53,9 +53,10 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # [num_blocks, block_size, kv_heads, head_dim] per layer
-        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        dev = self.device
+        # per layer: [num_blocks, block_size, kv_heads, head_dim]
+        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(num_layers)]
+        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(num_layers)]
         flat = (num_blocks * block_size, num_kv_heads, head_dim)
         # Views sharing the memory above, indexed by slot = block_id * block_size + offset.
         self.k_slots: list[torch.Tensor] = [t.view(flat) for t in self.k]  # [num_slots, kv_heads, head_dim]

@@ -8,13 +8,14 @@ extra forward keywords: that is how the step's `PagedAttentionMetadata` reaches 
 calls per step do no host-side planning, no `.item()` and no device syncs.
 
 Packed token order (the runner guarantees it): first the decode rows (one query token per
-sequence, `num_decode` of them), then each prefill segment as a contiguous range.
+sequence), group after group, then each prefill segment as a contiguous range.
 
 Per layer:
 1. write the step's new K/V into the cache at `slot_mapping` (one `index_copy_` each);
-2. decodes: gather every decode sequence's blocks at once, padded to the longest context,
-   and run ONE SDPA over all of them with an additive padding mask; GQA is handled by viewing
-   the `G = H / KVH` query heads of a KV head as G query rows (no `repeat_kv`);
+2. decodes, group by group (the runner groups decodes of similar context length): gather the
+   group's blocks at once, padded to its longest context, and run ONE SDPA over all of them
+   with an additive padding mask; GQA is handled by viewing the `G = H / KVH` query heads of a
+   KV head as G query rows (no `repeat_kv`);
 3. each prefill segment: one SDPA against its own context (the chunk's own keys when it starts
    at position 0, else its gathered blocks) with a causal mask offset by its start position.
 """
@@ -32,6 +33,7 @@ from tokenflow.kv.kv_cache import KVCache
 __all__ = (
     "ATTENTION_NAME",
     "META_KWARG",
+    "DecodeGroup",
     "PagedAttentionMetadata",
     "PrefillSegment",
     "UnsupportedAttentionFeature",
@@ -55,6 +57,22 @@ class UnsupportedAttentionFeature(NotImplementedError):
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Single-token queries of several sequences, attended in one batched SDPA.
+
+    Their blocks are gathered together, padded to the group's longest context; the runner
+    groups decodes of similar lengths so that padding stays small.
+    """
+
+    q_start: int  # first packed row of the group
+    q_end: int  # one past its last packed row
+    block_ids: torch.Tensor  # [rows * max_blocks] long, each row padded with block 0
+    max_blocks: int
+    kv_len: int  # longest context in the group; gathered keys are sliced to it
+    mask: torch.Tensor | None  # [rows, 1, 1, kv_len] additive (0 / -inf), None when all contexts are equal
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillSegment:
     """One multi-token chunk of one sequence inside the packed step."""
 
@@ -74,12 +92,8 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot (block * block_size + offset) per packed token
     num_tokens: int
     max_context: int  # longest context in the step (positions seen by its last query + 1)
-    num_decode: int  # packed rows [0, num_decode) are single-token decodes
-    decode_block_ids: torch.Tensor | None  # [num_decode * decode_max_blocks] long, rows padded with block 0
-    decode_max_blocks: int
-    decode_kv_len: int  # longest decode context; gathered keys are sliced to it
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_kv_len] additive, None if all equal
-    prefills: tuple[PrefillSegment, ...]
+    decodes: tuple[DecodeGroup, ...]  # packed first, in row order
+    prefills: tuple[PrefillSegment, ...]  # packed after the decodes, in row order
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
 
 
@@ -94,7 +108,7 @@ def _check_kwargs(module: torch.nn.Module, meta: PagedAttentionMetadata, kwargs:
     for name, value in kwargs.items():
         if value is None or name in _HARMLESS_KWARGS:
             if name == "output_attentions" and value:
-                raise UnsupportedAttentionFeature("output_attentions=True is not supported by paged attention")
+                raise UnsupportedAttentionFeature("paged attention cannot return attention weights")
             continue
         if name == "sliding_window":
             # A window at least as long as every context in the step masks nothing.
@@ -141,7 +155,7 @@ def paged_attention_forward(
         meta.calls.append(layer)
 
     cache = meta.kv_cache
-    _, num_heads, num_tokens, head_dim = query.shape
+    num_heads, head_dim = query.shape[1], query.shape[3]
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
     k_new = key[0].transpose(0, 1)  # [T, KVH, D]
@@ -150,20 +164,18 @@ def paged_attention_forward(
     cache.v_slots[layer].index_copy_(0, meta.slot_mapping, v_new)
 
     q_rows = query[0].transpose(0, 1)  # [T, H, D]
-    nd = meta.num_decode
     pieces: list[torch.Tensor] = []  # each [rows, H, D], in packed order
 
-    if nd:
-        assert meta.decode_block_ids is not None
-        kv_len = meta.decode_kv_len
-        padded = meta.decode_max_blocks * cache.block_size
-        ids = meta.decode_block_ids
-        # [nd, KVH, kv_len, D] views of the gathered blocks
-        k = cache.k[layer].index_select(0, ids).view(nd, padded, num_kv_heads, head_dim)[:, :kv_len].transpose(1, 2)
-        v = cache.v[layer].index_select(0, ids).view(nd, padded, num_kv_heads, head_dim)[:, :kv_len].transpose(1, 2)
-        q = q_rows[:nd].reshape(nd, num_kv_heads, group, head_dim)  # [nd, KVH, G, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
-        pieces.append(out.view(nd, num_heads, head_dim))  # [nd, KVH, G, D] -> [nd, H, D]
+    for grp in meta.decodes:
+        n = grp.q_end - grp.q_start
+        shape = (n, grp.max_blocks * cache.block_size, num_kv_heads, head_dim)
+        # [n, KVH, kv_len, D] views of the gathered blocks
+        k = cache.k[layer].index_select(0, grp.block_ids).view(shape)[:, : grp.kv_len].transpose(1, 2)
+        v = cache.v[layer].index_select(0, grp.block_ids).view(shape)[:, : grp.kv_len].transpose(1, 2)
+        # One query per sequence: the G heads sharing a KV head become G query rows against it.
+        q = q_rows[grp.q_start : grp.q_end].reshape(n, num_kv_heads, group, head_dim)  # [n, KVH, G, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scaling)  # [n, KVH, G, D]
+        pieces.append(out.view(n, num_heads, head_dim))
 
     for seg in meta.prefills:
         q = query[:, :, seg.q_start : seg.q_end]  # [1, H, t, D]
@@ -171,12 +183,10 @@ def paged_attention_forward(
             k = key[:, :, seg.q_start : seg.q_end]  # [1, KVH, t, D]
             v = value[:, :, seg.q_start : seg.q_end]
         else:
-            n = seg.block_ids.shape[0]
+            shape = (1, seg.block_ids.shape[0] * cache.block_size, num_kv_heads, head_dim)
             # [1, KVH, kv_len, D] views of the gathered blocks
-            k = cache.k[layer].index_select(0, seg.block_ids).view(1, n * cache.block_size, num_kv_heads, head_dim)
-            v = cache.v[layer].index_select(0, seg.block_ids).view(1, n * cache.block_size, num_kv_heads, head_dim)
-            k = k[:, : seg.kv_len].transpose(1, 2)
-            v = v[:, : seg.kv_len].transpose(1, 2)
+            k = cache.k[layer].index_select(0, seg.block_ids).view(shape)[:, : seg.kv_len].transpose(1, 2)
+            v = cache.v[layer].index_select(0, seg.block_ids).view(shape)[:, : seg.kv_len].transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q,
             k,

@@ -27,6 +27,7 @@ from tokenflow.kv.kv_cache import KVCache
 from tokenflow.model.attention import (
     ATTENTION_NAME,
     META_KWARG,
+    DecodeGroup,
     PagedAttentionMetadata,
     PrefillSegment,
     UnsupportedAttentionFeature,
@@ -35,7 +36,9 @@ from tokenflow.model.attention import (
 
 __all__ = ("PagedModelRunner", "SeqChunk", "check_model_supported")
 
-_UNSUPPORTED_ROPE = frozenset({"dynamic", "longrope"})  # depend on the batch's max position: wrong when packed
+# RoPE types that depend on the batch's largest position: wrong when sequences are packed.
+_UNSUPPORTED_ROPE = frozenset({"dynamic", "longrope"})
+DECODE_GROUP_SLACK = 256  # tokens; see PagedModelRunner.decode_group_slack
 
 
 @dataclass(slots=True)
@@ -68,11 +71,11 @@ def check_model_supported(model: torch.nn.Module, max_model_len: int | None = No
     mtype = getattr(cfg, "model_type", type(model).__name__)
 
     def refuse(feature: str) -> ModelLoadError:
-        return ModelLoadError(f"model type '{mtype}' uses {feature}, which the paged backend does not support")
+        return ModelLoadError(f"model type '{mtype}' uses {feature}, which the paged backend lacks")
 
     if not getattr(cfg, "is_causal", True) or getattr(cfg, "is_encoder_decoder", False):
         raise refuse("non-causal attention")
-    window = getattr(cfg, "sliding_window", None)  # Qwen2/3 configs already null it without use_sliding_window
+    window = getattr(cfg, "sliding_window", None)  # Qwen2/3 null it unless use_sliding_window
     limit = max_model_len or getattr(cfg, "max_position_embeddings", None)
     if window is not None and (limit is None or window < limit):
         raise refuse(f"sliding-window attention (sliding_window={window})")
@@ -93,7 +96,8 @@ def check_model_supported(model: torch.nn.Module, max_model_len: int | None = No
             raise refuse(f"'{rtype}' RoPE scaling")
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise refuse("a forward without `logits_to_keep`")
-    if hasattr(type(model), "_can_set_attn_implementation") and not type(model)._can_set_attn_implementation():
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
         raise refuse("attention that does not go through transformers' AttentionInterface")
 
 
@@ -126,14 +130,15 @@ class PagedModelRunner:
         check_model_supported(model, max_model_len)
         geometry = KVCache.geometry(model.config)
         if geometry != (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim):
+            ours = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim)
             raise ModelLoadError(
-                f"KV cache geometry (layers, kv_heads, head_dim)="
-                f"{(kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim)} does not match the model's {geometry}"
+                f"KV cache geometry (layers, kv_heads, head_dim)={ours} does not match the model's {geometry}"
             )
         param = next(model.parameters())
         if param.dtype != kv_cache.dtype or param.device != kv_cache.device:
             raise ModelLoadError(
-                f"model is {param.dtype} on {param.device} but the KV cache is {kv_cache.dtype} on {kv_cache.device}"
+                f"model is {param.dtype} on {param.device}, "
+                f"the KV cache is {kv_cache.dtype} on {kv_cache.device}: they must match"
             )
         self.model = model.eval()
         self.kv_cache = kv_cache
@@ -141,6 +146,9 @@ class PagedModelRunner:
         self.dtype = kv_cache.dtype
         self.device = kv_cache.device
         self.num_layers = kv_cache.num_layers
+        # Decodes whose contexts differ by at most this many tokens share one padded gather + SDPA;
+        # farther apart, the padding would cost more than another (small) attention call.
+        self.decode_group_slack = DECODE_GROUP_SLACK
         previous = model.config._attn_implementation
         self._reference_attention = "sdpa" if previous in (None, ATTENTION_NAME) else previous
         register()
@@ -194,40 +202,29 @@ class PagedModelRunner:
         slots: list[int] = []
         last_row = [0] * len(chunks)  # packed row of each chunk's last token
 
-        # Decodes: one row each, their blocks gathered together, padded to the longest context.
-        nd = len(decodes)
-        dec_ids: torch.Tensor | None = None
-        dec_mask: torch.Tensor | None = None
-        dec_len = dec_blocks = 0
-        if nd:
-            ctx: list[int] = []
-            for row, i in enumerate(decodes):
-                c = chunks[i]
-                p = c.start_pos
-                ids.append(c.token_ids[0])
-                pos.append(p)
-                slots.append(c.block_table[p // bs] * bs + p % bs)
-                ctx.append(p + 1)
-                last_row[i] = row
-            dec_len = max(ctx)
-            dec_blocks = -(-dec_len // bs)
-            flat: list[int] = []
-            for i, n_ctx in zip(decodes, ctx):
-                used = -(-n_ctx // bs)
-                flat.extend(chunks[i].block_table[:used])
-                if used < dec_blocks:
-                    flat.extend([0] * (dec_blocks - used))  # padding: block 0's (finite) contents are masked
-            dec_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
-            if min(ctx) != dec_len:
-                ctx_t = torch.tensor(ctx, dtype=torch.long, device=self.device)  # [nd]
-                pad = torch.arange(dec_len, device=self.device)[None, :] >= ctx_t[:, None]  # [nd, dec_len]
-                dec_mask = torch.zeros(nd, 1, 1, dec_len, dtype=self.dtype, device=self.device)
-                dec_mask.masked_fill_(pad.view(nd, 1, 1, dec_len), float("-inf"))
+        # Decodes: one row each, longest context first, cut into groups of similar length.
+        decodes.sort(key=lambda i: chunks[i].start_pos, reverse=True)
+        groups: list[DecodeGroup] = []
+        group: list[int] = []
+        for i in decodes:
+            c = chunks[i]
+            p = c.start_pos
+            if group and chunks[group[0]].start_pos - p > self.decode_group_slack:
+                groups.append(self._decode_group(chunks, group, len(ids) - len(group)))
+                group = []
+            group.append(i)
+            last_row[i] = len(ids)
+            ids.append(c.token_ids[0])
+            pos.append(p)
+            slots.append(c.block_table[p // bs] * bs + p % bs)
+        if group:
+            groups.append(self._decode_group(chunks, group, len(ids) - len(group)))
+        nd = len(ids)
+        max_context = chunks[decodes[0]].start_pos + 1 if decodes else 0
 
         # Prefill chunks: contiguous rows each, attended segment by segment.
         segments: list[PrefillSegment] = []
         row = nd
-        max_context = dec_len
         for i in prefills:
             c = chunks[i]
             s = c.start_pos
@@ -244,7 +241,8 @@ class PagedModelRunner:
             else:
                 block_ids = torch.tensor(table[: -(-e // bs)], dtype=torch.long, device=self.device)
                 future = torch.ones(t, e, dtype=torch.bool, device=self.device).triu_(s + 1)  # key j > s + i
-                mask = torch.zeros(t, e, dtype=self.dtype, device=self.device).masked_fill_(future, float("-inf"))
+                mask = torch.zeros(t, e, dtype=self.dtype, device=self.device)
+                mask.masked_fill_(future, float("-inf"))
             segments.append(PrefillSegment(row, row + t, s, e, block_ids, mask))
             row += t
             last_row[i] = row - 1
@@ -256,11 +254,7 @@ class PagedModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_tokens=len(ids),
             max_context=max_context,
-            num_decode=nd,
-            decode_block_ids=dec_ids,
-            decode_max_blocks=dec_blocks,
-            decode_kv_len=dec_len,
-            decode_mask=dec_mask,
+            decodes=tuple(groups),
             prefills=tuple(segments),
         )
         return PackedStep(
@@ -268,6 +262,34 @@ class PagedModelRunner:
             position_ids=torch.tensor([pos], dtype=torch.long, device=self.device),
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
             meta=meta,
+        )
+
+    def _decode_group(self, chunks: Sequence[SeqChunk], members: list[int], q_start: int) -> DecodeGroup:
+        """Index tensors and padding mask of decodes `members` (longest context first)."""
+        bs = self.block_size
+        ctx = [chunks[i].start_pos + 1 for i in members]
+        kv_len = ctx[0]
+        max_blocks = -(-kv_len // bs)
+        flat: list[int] = []
+        for i, n_ctx in zip(members, ctx):
+            used = -(-n_ctx // bs)
+            flat.extend(chunks[i].block_table[:used])
+            if used < max_blocks:
+                flat.extend([0] * (max_blocks - used))  # padding: block 0's (finite) contents get masked
+        mask = None
+        if ctx[-1] != kv_len:
+            n = len(members)
+            ctx_t = torch.tensor(ctx, dtype=torch.long, device=self.device)  # [n]
+            pad = torch.arange(kv_len, device=self.device)[None, :] >= ctx_t[:, None]  # [n, kv_len]
+            mask = torch.zeros(n, 1, 1, kv_len, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(pad.view(n, 1, 1, kv_len), float("-inf"))
+        return DecodeGroup(
+            q_start=q_start,
+            q_end=q_start + len(members),
+            block_ids=torch.tensor(flat, dtype=torch.long, device=self.device),
+            max_blocks=max_blocks,
+            kv_len=kv_len,
+            mask=mask,
         )
 
     # ------------------------------------------------------------ self-check

@@ -1,12 +1,13 @@
 """Vectorised next-token sampler over a packed batch: one logits row per sequence that samples this step.
 
 Order follows vLLM v1: raw logprobs -> min_tokens mask -> repetition, frequency, presence penalties ->
-greedy argmax, or temperature -> min_p -> top_k / top_p -> draw. Work is skipped when no row needs it.
+greedy argmax, or temperature -> min_p -> top_k / top_p -> draw. Work no row needs is skipped.
 
 Each sampled row draws ONE uniform (from its own generator when seeded) and inverts its own CDF, so a
 seeded row's token depends only on its logits and its generator, never on the other rows of the batch.
 Top-k / top-p rows first look at their top 64 (then 1024) candidates and only fall back to a full sort
 when the nucleus or the top-k set does not fit: a full sort of 256 x 49,152 costs about a second on CPU.
+Penalties touch only the logits of tokens that occurred (O(tokens), not O(rows x vocab)).
 """
 
 from __future__ import annotations
@@ -56,11 +57,14 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 
 class Sampler:
-    """Samples one token per row; stateless apart from the vocabulary size and the EOS ids."""
+    """Samples one token per row. Keeps reusable scratch buffers (fresh blocks of tens of MB are mmapped
+    and page-fault on every step, costing as much as the arithmetic), so use one Sampler per step loop:
+    it is not thread-safe."""
 
     def __init__(self, vocab_size: int, eos_token_ids: Collection[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(sorted({int(t) for t in eos_token_ids}))
+        self._scratch: dict[str, torch.Tensor] = {}
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """`logits` is `[len(rows), >= vocab]` in any float dtype; it is never modified."""
@@ -69,91 +73,217 @@ class Sampler:
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {n} rows")
         if n == 0:
             return SamplerOutput([], None)
-        vocab = min(self.vocab_size, logits.shape[1])  # columns past the tokenizer's vocab are padding
-        raw = logits[:, :vocab].float()  # a view of `logits` when already fp32
+        src = logits[:, : min(self.vocab_size, logits.shape[1])]  # columns past the vocab are padding
+        raw = src if src.dtype == torch.float32 else self._buf("raw", *src.shape, src).copy_(src)
         params = [r.params for r in rows]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = torch.log_softmax(_take(raw, lp_rows), -1) if lp_rows else None
-        x = self._penalise(raw, rows, owned=raw.data_ptr() != logits.data_ptr())
+        stats = self._logprob_stats(raw, lp_rows, max(p.logprobs or 0 for p in params)) if lp_rows else None
 
         greedy = [i for i, p in enumerate(params) if p.temperature < _GREEDY_EPS]
         if len(greedy) == n:
-            tokens = x.argmax(-1)
+            tokens = self._rows(raw, greedy, rows, "tmp").argmax(-1)
         else:
-            tokens = torch.empty(n, dtype=torch.long, device=x.device)
+            tokens = torch.empty(n, dtype=torch.long, device=raw.device)
             if greedy:
-                tokens[greedy] = _take(x, greedy).argmax(-1)
-            greedy_set = set(greedy)
-            sampled = [i for i in range(n) if i not in greedy_set]
-            tokens[sampled] = _sample_random(x, sampled, rows)
+                tokens[greedy] = self._rows(raw, greedy, rows, "tmp").argmax(-1)
+            order, sampled = self._sample_random(raw, rows, set(greedy))
+            tokens[order] = sampled
         token_ids = tokens.tolist()
-        logprobs = _gather_logprobs(raw_logprobs, tokens, token_ids, lp_rows, params) if lp_rows else None
-        return SamplerOutput(token_ids, logprobs)
+        if stats is None:
+            return SamplerOutput(token_ids, None)
+        max_l, log_z, top_v, top_i = stats
+        chosen = (raw[lp_rows, tokens[lp_rows]] - max_l - log_z).tolist()
+        out: list[TokenLogprob | None] = [None] * n
+        for j, i in enumerate(lp_rows):
+            w = params[i].logprobs or 0
+            out[i] = TokenLogprob(token_ids[i], chosen[j], dict(zip(top_i[j][:w], top_v[j][:w], strict=True)))
+        return SamplerOutput(token_ids, out)
 
-    def _penalise(self, raw: torch.Tensor, rows: Sequence[SamplingRow], owned: bool) -> torch.Tensor:
-        """min_tokens mask and penalties; returns `raw` itself when no row needs either."""
-        n, vocab = raw.shape
-        mask_r: list[int] = []
-        mask_c: list[int] = []
-        for i, r in enumerate(rows):
-            if len(r.output_token_ids) < r.params.min_tokens:
-                ids = {*self.eos_token_ids, *r.params.stop_token_ids}
-                cols = [t for t in ids if 0 <= t < vocab]
-                mask_r += [i] * len(cols)
-                mask_c += cols
-        pen = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
-        if not mask_r and not pen:
+    def _buf(self, name: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        """A `[rows, cols]` fp32 view of the named scratch buffer, grown when too small."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < rows * cols or buf.device != like.device:
+            buf = self._scratch[name] = torch.empty(rows * cols, dtype=torch.float32, device=like.device)
+        return buf[: rows * cols].view(rows, cols)
+
+    def _rows(
+        self, raw: torch.Tensor, idx: list[int], rows: Sequence[SamplingRow], name: str
+    ) -> torch.Tensor:
+        """Rows `idx` of `raw` with min_tokens and penalties applied: `raw` itself when untouched."""
+        sub = [rows[i] for i in idx]
+        adjust = any(self._adjusts(r) for r in sub)
+        every = idx == list(range(raw.shape[0]))
+        if every and not adjust:
             return raw
-        x = raw if owned else raw.clone()
-        if mask_r:
-            x[mask_r, mask_c] = _NEG_INF
-        if not pen:
-            return x
-        dev = x.device
-        ps = [rows[i].params for i in pen]
-        xp = _take(x, pen)
-        counts = _token_counts([rows[i].output_token_ids for i in pen], vocab, dev)
-        rep = [p.repetition_penalty for p in ps]
-        if any(r != 1.0 for r in rep):
-            prompts = [rows[i].prompt_token_ids if r != 1.0 else () for i, r in zip(pen, rep, strict=True)]
-            seen = (_token_counts(prompts, vocab, dev) + counts) > 0
-            factor = torch.where(seen, torch.tensor(rep, device=dev)[:, None], 1.0)
-            xp = torch.where(xp > 0, xp / factor, xp * factor)  # CTRL: always pushes the logit down
-        freq = torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
-        if freq.any():
-            xp = xp - freq * counts
-        if pres.any():
-            xp = xp - pres * (counts > 0)
-        if len(pen) == n:
-            return xp
-        x[pen] = xp
-        return x
+        out = self._buf(name, len(idx), raw.shape[1], raw)
+        if every:
+            out.copy_(raw)
+        else:
+            torch.index_select(raw, 0, torch.tensor(idx, device=raw.device), out=out)
+        if adjust:
+            self._adjust(out, sub)
+        return out
+
+    def _adjusts(self, r: SamplingRow) -> bool:
+        p = r.params
+        return len(r.output_token_ids) < p.min_tokens or _has_penalty(p)
+
+    def _adjust(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        """min_tokens mask, then repetition, frequency and presence penalties, in place on `x` (row j of
+        `x` is `rows[j]`), touching only the positions of tokens that occurred."""
+        vocab, dev = x.shape[1], x.device
+        flat = x.view(-1)
+        masked = [
+            j * vocab + t
+            for j, r in enumerate(rows)
+            if len(r.output_token_ids) < r.params.min_tokens
+            for t in {*self.eos_token_ids, *r.params.stop_token_ids}
+            if 0 <= t < vocab
+        ]
+        if masked:
+            flat[torch.tensor(masked, device=dev)] = _NEG_INF
+        rep = [j for j, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        if rep:  # CTRL: positive logits divided, negative multiplied, so a seen token always loses
+            seqs = [s for j in rep for s in (rows[j].prompt_token_ids, rows[j].output_token_ids)]
+            keys = _flat_keys(seqs, [j for j in rep for _ in (0, 1)], vocab, dev).unique()
+            penalty = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[keys // vocab]
+            v = flat[keys]
+            flat[keys] = torch.where(v > 0, v / penalty, v * penalty)
+        fp = [j for j, r in enumerate(rows) if r.params.frequency_penalty or r.params.presence_penalty]
+        if fp:  # OpenAI: logit -= frequency * count + presence * (count > 0), over generated tokens only
+            seqs = [rows[j].output_token_ids for j in fp]
+            keys, counts = _flat_keys(seqs, fp, vocab, dev).unique(return_counts=True)
+            row = keys // vocab
+            freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)
+            pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)
+            flat[keys] -= freq[row] * counts + pres[row]
+
+    def _logprob_stats(
+        self, raw: torch.Tensor, idx: list[int], width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, list[list[float]], list[list[int]]]:
+        """Row max, log-partition and top-`width` raw logprobs of rows `idx` (log_softmax, unmaterialised)."""
+        buf = self._buf("tmp", len(idx), raw.shape[1], raw)
+        every = idx == list(range(raw.shape[0]))
+        x = raw if every else torch.index_select(raw, 0, torch.tensor(idx, device=raw.device), out=buf)
+        max_l = x.amax(-1)
+        top = x.topk(min(width, x.shape[1]), -1) if width else None
+        exp = torch.sub(raw, max_l[:, None], out=buf) if every else x.sub_(max_l[:, None])
+        log_z = exp.exp_().sum(-1).log_()
+        if top is None:
+            return max_l, log_z, [[] for _ in idx], [[] for _ in idx]
+        return max_l, log_z, (top[0] - max_l[:, None] - log_z[:, None]).tolist(), top[1].tolist()
+
+    def _sample_random(
+        self, raw: torch.Tensor, rows: Sequence[SamplingRow], greedy: set[int]
+    ) -> tuple[list[int], torch.Tensor]:
+        """(row indices, their tokens) for the non-greedy rows. Rows are regrouped so that top-k/top-p
+        rows by first candidate stage, then the untruncated ones, are contiguous slices, not copies."""
+        vocab, dev = raw.shape[1], raw.device
+        stages = [k for k in _STAGES if k < vocab] + [vocab]
+        idx = [i for i in range(len(rows)) if i not in greedy]
+        key = {i: _stage_key(rows[i].params, stages) for i in idx}
+        order = sorted(idx, key=key.__getitem__)
+        srows = [rows[i] for i in order]
+        ps = [r.params for r in srows]
+        s = self._rows(raw, order, rows, "s")
+        temps = torch.tensor([p.temperature for p in ps], device=dev)[:, None]
+        s = s.div_(temps) if s is not raw else torch.div(raw, temps, out=self._buf("s", *raw.shape, raw))
+        mp = [j for j, p in enumerate(ps) if p.min_p > 0.0]
+        if mp:  # p_i < min_p * p_max  <=>  logit_i < max_logit + log(min_p): no softmax needed
+            sub = s if len(mp) == len(ps) else s[mp]
+            log_min_p = torch.tensor([math.log(ps[j].min_p) for j in mp], device=dev)
+            sub.masked_fill_(sub < sub.amax(-1, keepdim=True) + log_min_p[:, None], _NEG_INF)
+            if sub is not s:
+                s[mp] = sub
+        u = _uniforms(srows, dev)
+        t = sum(1 for i in order if key[i][0] == 0)
+        out = torch.empty(len(order), dtype=torch.long, device=dev)
+        if t:
+            out[:t] = self._truncated_sample(s[:t], ps[:t], u[:t], stages)
+        if t < len(order):
+            out[t:] = _inverse_cdf(s[t:], u[t:], self._buf("tmp", len(order) - t, vocab, s))
+        return order, out
+
+    def _truncated_sample(
+        self, s: torch.Tensor, ps: list[SamplingParams], u: torch.Tensor, stages: list[int]
+    ) -> torch.Tensor:
+        """Top-k (ties at the k-th value kept), then top-p over the renormalised top-k set, then a draw.
+
+        Each row tries the candidate counts in `stages` and is resolved at the first one that holds its
+        whole kept set, so its path (and its token) depends on its own logits only."""
+        t, vocab = s.shape
+        dev = s.device
+        top_k = [p.top_k if p.top_k < vocab else 0 for p in ps]
+        kk = torch.tensor(top_k, device=dev)
+        pp = torch.tensor([p.top_p for p in ps], device=dev)
+        start = [_stage_key(p, stages)[1] for p in ps]
+        lse = torch.zeros(t, device=dev)
+        a = sum(1 for k in top_k if k == 0)  # top-p alone normalises over the whole row (rows come first)
+        if a:
+            max_l = s[:a].amax(-1)
+            exp = torch.sub(s[:a], max_l[:, None], out=self._buf("tmp", a, vocab, s)).exp_()
+            lse[:a] = exp.sum(-1).log_() + max_l
+        out = torch.empty(t, dtype=torch.long, device=dev)
+        pending = list(range(t))
+        for k in stages:
+            here = [j for j in pending if start[j] <= k]
+            if not here:
+                continue
+            sub = s[: len(here)] if here == list(range(len(here))) else s[here]
+            vals, cols = sub.sort(-1, descending=True) if k == vocab else sub.topk(k)
+            rk, rp = kk[here], pp[here]
+            has_k = rk > 0
+            kth = torch.where(has_k[:, None], vals.gather(1, (rk - 1).clamp(min=0)[:, None]), _NEG_INF)
+            kept = vals.masked_fill(vals < kth, _NEG_INF)
+            norm = torch.where(has_k, torch.logsumexp(kept, -1), lse[here])
+            cum = (kept - norm[:, None]).exp_().cumsum_(-1)
+            n_p = torch.where(rp < 1.0, (cum < rp[:, None]).sum(-1) + 1, k)  # first position reaching p
+            last = torch.minimum(torch.where(has_k, rk, k), n_p).clamp(max=k) - 1
+            cut = vals.gather(1, last[:, None])
+            if k == vocab:
+                sub.masked_fill_(sub < cut, _NEG_INF)
+                out[here] = _inverse_cdf(sub, u[here], self._buf("tmp", *sub.shape, sub))
+                break
+            # resolved when no left-out candidate can tie the cut (or the k-th value, which the top-p
+            # normalisation needs), or when everything left out is already -inf
+            tail = vals[:, -1:]
+            done = ((tail < torch.where(has_k[:, None], kth, cut)) | (tail == _NEG_INF)).squeeze(-1)
+            if done.any():
+                d = done.nonzero().squeeze(-1)
+                order = cols[d].argsort(-1)  # walk candidates in token order, as the full-row draw does
+                c, v = cols[d].gather(1, order), vals[d].gather(1, order)
+                v = v.masked_fill(v < cut[d], _NEG_INF)
+                finished = [here[j] for j in d.tolist()]
+                pos = _inverse_cdf(v, u[finished], torch.empty_like(v))
+                out[finished] = c.gather(1, pos[:, None]).squeeze(1)
+                pending = sorted(set(pending).difference(finished))
+        return out
 
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _take(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
-    """Rows `idx` of `t`; `t` itself (no copy) when that is every row in order."""
-    return t if len(idx) == t.shape[0] else t[idx]
+def _stage_key(p: SamplingParams, stages: list[int]) -> tuple[int, int, bool]:
+    """(untruncated?, first candidate stage that can hold the k-th value, has top-k) for grouping rows."""
+    vocab = stages[-1]
+    k = p.top_k if 0 < p.top_k < vocab else 0
+    if not k and p.top_p >= 1.0:
+        return (1, vocab, False)
+    return (0, next(s for s in stages if s == vocab or k < s), k > 0)
 
 
-def _token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """`[len(seqs), vocab]` fp32 occurrence counts, built with one index_add over the flattened ids.
-
-    Ids outside the vocabulary land in a spare column that is dropped."""
+def _flat_keys(
+    seqs: Sequence[Sequence[int]], row: list[int], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """`row * vocab + token` for every in-vocabulary token of `seqs[j]` (belonging to row `row[j]`)."""
     lengths = [len(s) for s in seqs]
-    counts = torch.zeros(len(seqs), vocab + 1, device=device)
-    if sum(lengths):
-        buf = array("q", chain.from_iterable(seqs))
-        ids = torch.frombuffer(buf, dtype=torch.int64)
-        ids = torch.where((ids >= 0) & (ids < vocab), ids, vocab)
-        row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lengths))
-        flat = (row * (vocab + 1) + ids).to(device)
-        counts.view(-1).index_add_(0, flat, torch.ones(flat.shape[0], device=device))
-    return counts[:, :vocab]
+    if not sum(lengths):
+        return torch.empty(0, dtype=torch.long, device=device)
+    ids = torch.frombuffer(array("q", chain.from_iterable(seqs)), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.tensor(row), torch.tensor(lengths))
+    ok = (ids >= 0) & (ids < vocab)
+    return (rows * vocab + ids)[ok].to(device)
 
 
 def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
@@ -170,108 +300,9 @@ def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor
     return u
 
 
-def _sample_random(x: torch.Tensor, idx: list[int], rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Tokens for the non-greedy rows `idx` of the penalised logits `x`."""
-    srows = [rows[i] for i in idx]
-    ps = [r.params for r in srows]
-    m, vocab = len(idx), x.shape[1]
-    dev = x.device
-    s = _take(x, idx) / torch.tensor([p.temperature for p in ps], device=dev)[:, None]  # a fresh tensor
-    mp = [j for j, p in enumerate(ps) if p.min_p > 0.0]
-    if mp:  # p_i < min_p * p_max  <=>  logit_i < max_logit + log(min_p): no softmax needed
-        sub = _take(s, mp)
-        log_min_p = torch.tensor([math.log(ps[j].min_p) for j in mp], device=dev)
-        floor = sub.amax(-1, keepdim=True) + log_min_p[:, None]
-        sub.masked_fill_(sub < floor, _NEG_INF)
-        if len(mp) < m:
-            s[mp] = sub
-    u = _uniforms(srows, dev)
-    out = torch.empty(m, dtype=torch.long, device=dev)
-    trunc = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
-    if trunc:
-        top_k = [ps[j].top_k if ps[j].top_k < vocab else 0 for j in trunc]
-        out[trunc] = _truncated_sample(_take(s, trunc), top_k, [ps[j].top_p for j in trunc], u[trunc])
-    full = sorted(set(range(m)).difference(trunc))
-    if full:
-        out[full] = _inverse_cdf(_take(s, full), u[full])
-    return out
-
-
-def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Column drawn from each row's softmax by inverting its CDF at `u` (tokens at -inf never win)."""
-    cdf = (logits - logits.amax(-1, keepdim=True)).exp_().cumsum_(-1)
+def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Column drawn from each row's softmax by inverting its CDF at `u` (columns at -inf never win)."""
+    cdf = torch.sub(logits, logits.amax(-1, keepdim=True), out=scratch).exp_().cumsum_(-1)
     total = cdf[:, -1:]
     target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first column whose CDF > target
-
-
-def _truncated_sample(s: torch.Tensor, top_k: list[int], top_p: list[float], u: torch.Tensor) -> torch.Tensor:
-    """Top-k (0 = off), then top-p over the renormalised top-k set, then draw; ties at a cut are kept.
-
-    Each row tries the candidate counts in `_STAGES` and is resolved at the first one that holds its
-    whole kept set, so its path (and its token) depends on its own logits only."""
-    t, vocab = s.shape
-    dev = s.device
-    kk = torch.tensor(top_k, device=dev)
-    pp = torch.tensor(top_p, device=dev)
-    stages = [k for k in _STAGES if k < vocab] + [vocab]
-    start = [next(k for k in stages if k == vocab or tk < k) for tk in top_k]  # k-th value must be in
-    need_lse = [j for j in range(t) if top_k[j] == 0]
-    lse = torch.zeros(t, device=dev)
-    if need_lse:  # top-p alone normalises over the whole row
-        lse[need_lse] = torch.logsumexp(_take(s, need_lse), -1)
-    out = torch.empty(t, dtype=torch.long, device=dev)
-    pending = list(range(t))
-    for k in stages:
-        here = [j for j in pending if start[j] <= k]
-        if not here:
-            continue
-        sub = _take(s, here)
-        vals, cols = sub.sort(-1, descending=True) if k == vocab else sub.topk(k)
-        rk, rp = kk[here], pp[here]
-        has_k = rk > 0
-        kth = torch.where(has_k[:, None], vals.gather(1, (rk - 1).clamp(min=0)[:, None]), _NEG_INF)
-        kept = vals.masked_fill(vals < kth, _NEG_INF)
-        norm = torch.where(has_k, torch.logsumexp(kept, -1), lse[here])
-        cum = (kept - norm[:, None]).exp_().cumsum_(-1)
-        n_p = torch.where(rp < 1.0, (cum < rp[:, None]).sum(-1) + 1, k)  # first position reaching p
-        last = torch.minimum(torch.where(has_k, rk, k), n_p).clamp(max=k) - 1
-        cut = vals.gather(1, last[:, None])
-        if k == vocab:
-            out[here] = _inverse_cdf(sub.masked_fill(sub < cut, _NEG_INF), u[here])
-            break
-        # resolved when no candidate left out could tie the cut (or the k-th value, for the top-k norm)
-        # (or when the last candidate is already -inf: everything left out has zero mass)
-        tail = vals[:, -1:]
-        done = ((tail < torch.where(has_k[:, None], kth, cut)) | (tail == _NEG_INF)).squeeze(-1)
-        if done.any():
-            d = done.nonzero().squeeze(-1)
-            order = cols[d].argsort(-1)  # index order, as the full-row draw would walk them
-            c, v = cols[d].gather(1, order), vals[d].gather(1, order)
-            v = v.masked_fill(v < cut[d], _NEG_INF)
-            rows_done = [here[j] for j in d.tolist()]
-            out[rows_done] = c.gather(1, _inverse_cdf(v, u[rows_done])[:, None]).squeeze(-1)
-            pending = sorted(set(pending).difference(rows_done))
-    return out
-
-
-def _gather_logprobs(
-    logprobs: torch.Tensor,
-    tokens: torch.Tensor,
-    token_ids: list[int],
-    lp_rows: list[int],
-    params: list[SamplingParams],
-) -> list[TokenLogprob | None]:
-    """Raw logprob of each sampled token plus the row's top-`logprobs` alternatives."""
-    chosen = logprobs.gather(1, tokens[lp_rows][:, None]).squeeze(-1).tolist()
-    width = max(params[i].logprobs or 0 for i in lp_rows)
-    top_v: list[list[float]] = [[] for _ in lp_rows]
-    top_i: list[list[int]] = [[] for _ in lp_rows]
-    if width:
-        tv, ti = logprobs.topk(min(width, logprobs.shape[1]), -1)
-        top_v, top_i = tv.tolist(), ti.tolist()
-    out: list[TokenLogprob | None] = [None] * len(token_ids)
-    for j, i in enumerate(lp_rows):
-        w = params[i].logprobs or 0
-        out[i] = TokenLogprob(token_ids[i], chosen[j], dict(zip(top_i[j][:w], top_v[j][:w], strict=True)))
-    return out

@@ -6,14 +6,15 @@ and SentencePiece-style decoders drop a token's leading space at the start of a
 sequence. Two strategies, picked once per tokenizer:
 
 * byte level (decoder is `ByteLevel`, e.g. GPT-2/Llama-3/SmolLM2 BPE): each id maps
-  to a fixed byte string, so the output is exactly the UTF-8 decode of the
-  concatenated bytes. We keep a per-tokenizer id -> bytes table and feed a
-  `codecs` incremental UTF-8 decoder (errors="replace"), which holds back at most
-  the <= 3 bytes of an incomplete trailing character. O(1) per token, no window.
+  to a fixed byte string and the full decode is the lossy UTF-8 decode of the
+  concatenated bytes. We keep a per-tokenizer id -> bytes table and decode
+  incrementally, holding back only the <= 3 bytes of an incomplete trailing
+  character. O(1) per token, no window, no call into the tokenizer.
 * window (any other decoder): decode a short window of recent ids (the prompt's
   last few ids first) and emit only the new suffix once it has settled, i.e. it
-  does not end in U+FFFD and, for `ByteFallback` decoders, no `<0xNN>` run is open.
-  The window slides so that it never exceeds a few tokens: O(1) per token.
+  does not end in U+FFFD and, for `ByteFallback` decoders, no `<0xNN>` run is open
+  (ByteFallback turns a whole run into U+FFFDs if any byte in it is invalid). The
+  window slides, so each push decodes at most ~16 ids: O(1) per token.
 
 Invariants (`out` = ids pushed, `D(ids)` = `tokenizer.decode(ids, skip_special_tokens=...)`):
 
@@ -29,16 +30,17 @@ Invariants (`out` = ids pushed, `D(ids)` = `tokenizer.decode(ids, skip_special_t
   `D(out)` only where a decoder treats the start of a sequence specially (Metaspace
   and `Strip` drop the first token's leading space; with a prompt we keep it,
   because the output continues the prompt). With no prompt, ``c == ()`` and the
-  stream equals `D(out)`. This holds for local decoders (Metaspace, Replace, Fuse,
-  Strip at the start, ByteFallback, ByteLevel, WordPiece) as long as no run of more
-  than `MAX_HELD_TOKENS` ids stays unsettled (e.g. a long run of byte tokens); such
-  a run is then emitted as it decodes so far, bounding the window.
+  stream equals `D(out)`. Tested for Metaspace, Replace+ByteFallback+Fuse+Strip
+  (Llama-2 style) and WordPiece decoders. Bounded cost has one price: when more than
+  `MAX_HELD_TOKENS` ids stay unsettled (a long `<0xNN>` run), the run is cut at its
+  last character boundary and the rest decoded on its own; that is still exact for
+  valid UTF-8 but not if the run also holds invalid bytes (D would show the whole
+  run as U+FFFDs, we have shown its valid start).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import re
 import weakref
 from codecs import utf_8_decode as _utf8_decode
@@ -97,23 +99,11 @@ class _TokenizerInfo:
 _INFO: weakref.WeakKeyDictionary[Tokenizer, _TokenizerInfo] = weakref.WeakKeyDictionary()
 
 
-def _decoder_types(decoder: Any) -> set[str]:
-    if decoder is None:
-        return set()
-    found: set[str] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("type"), str):
-                found.add(node["type"])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(json.loads(decoder.__getstate__()))
-    return found
+def _uses_byte_fallback(backend: Tokenizer) -> bool:
+    """Whether the decoder (or one inside a Sequence) is ByteFallback: its serialized
+    config is compact serde JSON, so the type tag appears verbatim."""
+    decoder = backend.decoder
+    return decoder is not None and b'"type":"ByteFallback"' in decoder.__getstate__()
 
 
 def _tokenizer_info(backend: Tokenizer) -> _TokenizerInfo:
@@ -137,7 +127,7 @@ def _tokenizer_info(backend: Tokenizer) -> _TokenizerInfo:
             table[i] = _token_bytes(t)
         pieces = tuple(table)
     fallback: frozenset[int] = frozenset()
-    if "ByteFallback" in _decoder_types(backend.decoder):
+    if _uses_byte_fallback(backend):
         fallback = frozenset(i for i, t in tokens.items() if _BYTE_TOKEN.match(t))
     info = _TokenizerInfo(byte_level, pieces, special_ids, fallback, size)
     _INFO[backend] = info
@@ -191,13 +181,13 @@ class _WindowPath:
     __slots__ = (
         "_clean",
         "_clean_len",
+        "_context",
         "_decode",
         "_fallback",
         "_ids",
         "_open_run",
         "_size",
         "_skip",
-        "context_ids",
     )
 
     def __init__(
@@ -213,7 +203,7 @@ class _WindowPath:
         # output rewrite text we treat as already shown: drop those ids.
         while ctx and (self._ends_in_run(ctx) or decode(ctx).endswith(_FFFD)):
             ctx.pop()
-        self.context_ids: tuple[int, ...] = tuple(ctx)
+        self._context: tuple[int, ...] = tuple(ctx)
         self._ids = ctx  # window: context ids, then output ids not yet slid out
         self._clean = len(ctx)  # ids[:clean] are decoded and their text emitted
         self._clean_len = len(decode(ctx)) if ctx else 0  # len(decode(ids[:clean]))
@@ -313,7 +303,7 @@ class IncrementalDetokenizer:
     @property
     def context_ids(self) -> tuple[int, ...]:
         """Prompt ids the output is decoded after (window mode); () in bytes mode."""
-        return self._impl.context_ids if isinstance(self._impl, _WindowPath) else ()
+        return self._impl._context if isinstance(self._impl, _WindowPath) else ()
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the text it completes (often "", never a partial character)."""
