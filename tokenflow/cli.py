@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenflow.bench import add_arguments
 
     add_arguments(bench)
+
+    bench_tok = sub.add_parser("bench-tokenizer", help="the tokenizer stage against encoding on the event loop")
+    from tokenflow.bench_tokenizer import add_arguments as add_tokenizer_arguments
+
+    add_tokenizer_arguments(bench_tok)
     return parser
 
 
@@ -198,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             from tokenflow.bench import run_bench
 
             run_bench(args)
+        elif args.command == "bench-tokenizer":
+            from tokenflow.bench_tokenizer import run_bench_tokenizer
+
+            run_bench_tokenizer(args)
     except TokenflowError as exc:
         print(f"tokenflow: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

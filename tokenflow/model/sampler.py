@@ -7,7 +7,8 @@ Each sampled row draws ONE uniform (from its own generator when seeded) and inve
 seeded row's token depends only on its logits and its generator, never on the other rows of the batch.
 Top-k / top-p rows first look at their top 64 (then 1024) candidates and only fall back to a full sort
 when the nucleus or the top-k set does not fit: a full sort of 256 x 49,152 costs about a second on CPU.
-Penalties touch only the logits of tokens that occurred (O(tokens), not O(rows x vocab)).
+Penalties touch only the logits of tokens that occurred (O(tokens), not O(rows x vocab)), and the
+`[rows, vocab]` intermediates live in scratch buffers reused across steps.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Sampler:
         self.eos_token_ids = tuple(sorted({int(t) for t in eos_token_ids}))
         self._scratch: dict[str, torch.Tensor] = {}
 
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """`logits` is `[len(rows), >= vocab]` in any float dtype; it is never modified."""
         n = len(rows)
@@ -119,7 +121,7 @@ class Sampler:
         if every:
             out.copy_(raw)
         else:
-            torch.index_select(raw, 0, torch.tensor(idx, device=raw.device), out=out)
+            _gather_rows(raw, idx, out)
         if adjust:
             self._adjust(out, sub)
         return out
@@ -164,7 +166,7 @@ class Sampler:
         """Row max, log-partition and top-`width` raw logprobs of rows `idx` (log_softmax, unmaterialised)."""
         buf = self._buf("tmp", len(idx), raw.shape[1], raw)
         every = idx == list(range(raw.shape[0]))
-        x = raw if every else torch.index_select(raw, 0, torch.tensor(idx, device=raw.device), out=buf)
+        x = raw if every else _gather_rows(raw, idx, buf)
         max_l = x.amax(-1)
         top = x.topk(min(width, x.shape[1]), -1) if width else None
         exp = torch.sub(raw, max_l[:, None], out=buf) if every else x.sub_(max_l[:, None])
@@ -284,6 +286,13 @@ def _flat_keys(
     rows = torch.repeat_interleave(torch.tensor(row), torch.tensor(lengths))
     ok = (ids >= 0) & (ids < vocab)
     return (rows * vocab + ids)[ok].to(device)
+
+
+def _gather_rows(src: torch.Tensor, idx: list[int], out: torch.Tensor) -> torch.Tensor:
+    """`src[idx]` into `out`. Not index_select: for long rows it copies row by row, one parallel region
+    each, which costs milliseconds per row when another process holds the other cores."""
+    index = torch.tensor(idx, device=src.device)[:, None].expand(-1, src.shape[1])
+    return torch.gather(src, 0, index, out=out)
 
 
 def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
