@@ -48,6 +48,12 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     max_num_seqs: Positive = 32
     max_batch_tokens: Positive = 512
     max_queue: Positive = 4096
+    max_queue_tokens: Positive | None = None
+    breaker_error_rate: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
+    breaker_step_p95_ms: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    breaker_window: Annotated[int, msgspec.Meta(ge=4)] = 50
+    breaker_open_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
+    breaker_probes: Positive = 2
     timeout: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
     request_stages: list[str] = msgspec.field(default_factory=lambda: ["tokenizer"])
     batcher: str = "batcher"

@@ -21,7 +21,7 @@ import anyio.to_thread
 
 from tokenflow import registry
 from tokenflow.config import EngineConfig
-from tokenflow.errors import DeadlineExceeded, EngineClosed, InvalidRequest
+from tokenflow.errors import DeadlineExceeded, EngineClosed, InvalidRequest, TokenflowError
 from tokenflow.model.loader import load_model
 from tokenflow.model.sampler import make_generator
 from tokenflow.models import resolve_model
@@ -90,7 +90,7 @@ class Engine:
         self.ctx = ctx
         self.loaded = loaded
         self.output = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, loaded.max_model_len)
-        self._loop = StepLoop(backend, batcher, self.output, loaded)
+        self._loop = StepLoop(backend, batcher, self.output, loaded, ctx.observers)
         self._chain = _build_chain(stages, self._enqueue)
         self._background = _spawn(self._loop.run)
         self._state = "running"
@@ -205,8 +205,11 @@ class Engine:
                 if chunk.finish_reason is not None:
                     return
         except TimeoutError:
-            loop.abort(request)
+            loop.abort(request, "deadline")
             raise DeadlineExceeded(f"request {request.request_id} passed its deadline") from None
+        except TokenflowError:  # refused on the request path (or already ended by the loop)
+            loop.abort(request, "rejected")
+            raise
         except BaseException:
             loop.abort(request)
             raise

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = (
     "Batcher",
     "EngineContext",
+    "EngineObserver",
     "ModelBackend",
     "NextStage",
     "RequestStage",
@@ -39,6 +40,18 @@ class EngineContext:
     eos_token_ids: frozenset[int]
     vocab_size: int
     shared: dict[str, Any] = field(default_factory=dict)  # stage name -> stage, for cooperation
+    observers: list[EngineObserver] = field(default_factory=list)  # told about steps and request ends
+
+
+class EngineObserver(Protocol):
+    """Optional hooks a stage registers in `EngineContext.observers` at start.
+
+    Called on the event loop. `outcome` is one of "completed", "aborted",
+    "deadline", "failed" (an `EngineError`) or "rejected" (refused after admission).
+    """
+
+    def on_step(self, duration_s: float, ok: bool) -> None: ...
+    def on_request_end(self, request: Request, outcome: str) -> None: ...
 
 
 @runtime_checkable

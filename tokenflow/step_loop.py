@@ -39,7 +39,10 @@ _RATE_WINDOW_S = 10.0
 
 
 class StepLoop:
-    def __init__(self, backend: Any, batcher: Any, output: OutputProcessor, loaded: LoadedModel) -> None:
+    def __init__(
+        self, backend: Any, batcher: Any, output: OutputProcessor, loaded: LoadedModel, observers: list[Any]
+    ) -> None:
+        self.observers = observers
         self.backend = backend
         self.batcher = batcher
         self.output = output
@@ -65,7 +68,7 @@ class StepLoop:
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         self._wake.set()
 
-    def abort(self, request: Request) -> None:
+    def abort(self, request: Request, outcome: str = "aborted") -> None:
         """Mark `request` finished now; its blocks are released at the next step boundary."""
         if request.status is RequestStatus.FINISHED:
             return
@@ -73,6 +76,7 @@ class StepLoop:
         request.status = RequestStatus.FINISHED
         self.output.finish_aborted(request)
         self.num_aborted += 1
+        self._notify_end(request, outcome)
         if queued:
             self._aborted.append(request)
             self._wake.set()
@@ -116,8 +120,10 @@ class StepLoop:
         try:
             result = await anyio.to_thread.run_sync(self._execute, plan)
         except Exception as exc:
+            self._notify_step(time.perf_counter() - started, False)
             self._step_failed([c.request for c in plan.chunks], exc)
             return
+        self._notify_step(time.perf_counter() - started, True)
         self._failures = 0
         self.num_steps += 1
         samplers = []
@@ -155,12 +161,15 @@ class StepLoop:
         try:
             await anyio.to_thread.run_sync(self.backend.run_batch, batch, on_tokens)
             self._failures = 0
+            self._notify_step(time.perf_counter() - started, True)
         except Exception as exc:
+            self._notify_step(time.perf_counter() - started, False)
             self._step_failed([r for r in batch if not r.finished], exc)
         for request in batch:
             if not request.finished:  # generate hit its token budget first: a length finish
                 self.output.finish_length(request)
                 self.num_finished += 1
+                self._notify_end(request, "completed")
             self.batcher.finish(request)
         self.num_steps += 1
         self.last_step_ms = (time.perf_counter() - started) * 1e3
@@ -175,6 +184,7 @@ class StepLoop:
             if self.output.append(request, token, logprob):
                 self.batcher.finish(request)
                 self.num_finished += 1
+                self._notify_end(request, "completed")
         self._recent_tokens.append((now, count))
         while self._recent_tokens and now - self._recent_tokens[0][0] > _RATE_WINDOW_S:
             self._recent_tokens.popleft()
@@ -188,8 +198,17 @@ class StepLoop:
     def _fail(self, request: Request, error: Exception) -> None:
         if request.status is not RequestStatus.FINISHED:
             self.num_failed += 1
+            self._notify_end(request, "failed" if isinstance(error, EngineError) else "rejected")
         self.batcher.finish(request)
         request.collector.fail(error)
+
+    def _notify_end(self, request: Request, outcome: str) -> None:
+        for observer in self.observers:
+            observer.on_request_end(request, outcome)
+
+    def _notify_step(self, duration_s: float, ok: bool) -> None:
+        for observer in self.observers:
+            observer.on_step(duration_s, ok)
 
     def _step_failed(self, requests: list[Request], exc: Exception) -> None:
         self._failures += 1

@@ -234,8 +234,15 @@ def test_penalties_in_a_regrouped_batch() -> None:
     rng = random.Random(1)
     vocab = 300
     logits = torch.randn(24, vocab, generator=torch.Generator().manual_seed(8))
-    shapes = [dict(temperature=0.0), dict(top_k=1), dict(top_k=1, top_p=0.5), dict(top_k=1, min_p=0.5),
-              dict(min_p=1.0), dict(top_p=1e-6), dict(top_k=100, top_p=1e-6)]
+    shapes = [
+        dict(temperature=0.0),
+        dict(top_k=1),
+        dict(top_k=1, top_p=0.5),
+        dict(top_k=1, min_p=0.5),
+        dict(min_p=1.0),
+        dict(top_p=1e-6),
+        dict(top_k=100, top_p=1e-6),
+    ]
     rows = []
     for i in range(24):
         output = [int(logits[i].argmax())] + [rng.randrange(vocab) for _ in range(5)]
@@ -321,8 +328,15 @@ def test_candidate_stages_match_full_sort(monkeypatch: pytest.MonkeyPatch) -> No
     gen = torch.Generator().manual_seed(9)
     scale = torch.tensor([0.5, 1.0, 3.0, 6.0]).repeat(16)[:, None]
     logits = (torch.randn(64, vocab, generator=gen) * scale).bfloat16()  # bf16: plenty of exact ties
-    combos = [dict(top_p=0.9), dict(top_k=50), dict(top_k=50, top_p=0.8), dict(top_k=700, top_p=0.95),
-              dict(top_k=2000), dict(top_p=0.5, min_p=0.01), dict(top_k=5, top_p=0.99)]
+    combos = [
+        dict(top_p=0.9),
+        dict(top_k=50),
+        dict(top_k=50, top_p=0.8),
+        dict(top_k=700, top_p=0.95),
+        dict(top_k=2000),
+        dict(top_p=0.5, min_p=0.01),
+        dict(top_k=5, top_p=0.99),
+    ]
     params = [dict(temperature=0.8, seed=100 + i, **combos[i % len(combos)]) for i in range(64)]
 
     def run() -> list[int]:
@@ -363,8 +377,13 @@ def test_mixed_batch_of_greedy_and_sampled_rows() -> None:
     logits = torch.randn(10, REAL, generator=torch.Generator().manual_seed(6)) * 3
     argmax = logits.argmax(-1).tolist()
     kinds = ["greedy", "sampled", "greedy", "topk1", "sampled", "greedy", "seeded", "topk1", "greedy", "minp"]
-    spec = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_p=0.9),
-            "topk1": dict(top_k=1), "seeded": dict(seed=1, top_k=20), "minp": dict(min_p=1.0)}
+    spec = {
+        "greedy": dict(temperature=0.0),
+        "sampled": dict(temperature=0.8, top_p=0.9),
+        "topk1": dict(top_k=1),
+        "seeded": dict(seed=1, top_k=20),
+        "minp": dict(min_p=1.0),
+    }
     out = Sampler(REAL, [EOS]).sample(logits, [row(**spec[k]) for k in kinds])
     for i, k in enumerate(kinds):
         if k in ("greedy", "topk1", "minp"):

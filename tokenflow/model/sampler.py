@@ -132,7 +132,9 @@ class Sampler:
 
     def _adjust(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """min_tokens mask, then repetition, frequency and presence penalties, in place on `x` (row j of
-        `x` is `rows[j]`), touching only the positions of tokens that occurred."""
+        `x` is `rows[j]`), touching only the positions of tokens that occurred. No `unique`: repeated
+        positions are written the same value, and counts are accumulated in `x` itself (a parallel sort
+        of the keys costs ~100 ms when another process holds the other cores)."""
         vocab, dev = x.shape[1], x.device
         flat = x.view(-1)
         masked = [
@@ -147,18 +149,21 @@ class Sampler:
         rep = [j for j, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
         if rep:  # CTRL: positive logits divided, negative multiplied, so a seen token always loses
             seqs = [s for j in rep for s in (rows[j].prompt_token_ids, rows[j].output_token_ids)]
-            keys = _flat_keys(seqs, [j for j in rep for _ in (0, 1)], vocab, dev).unique()
+            keys = _flat_keys(seqs, [j for j in rep for _ in (0, 1)], vocab, dev)
             penalty = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[keys // vocab]
             v = flat[keys]
             flat[keys] = torch.where(v > 0, v / penalty, v * penalty)
         fp = [j for j, r in enumerate(rows) if r.params.frequency_penalty or r.params.presence_penalty]
         if fp:  # OpenAI: logit -= frequency * count + presence * (count > 0), over generated tokens only
             seqs = [rows[j].output_token_ids for j in fp]
-            keys, counts = _flat_keys(seqs, fp, vocab, dev).unique(return_counts=True)
+            keys = _flat_keys(seqs, fp, vocab, dev)
             row = keys // vocab
-            freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)
-            pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)
-            flat[keys] -= freq[row] * counts + pres[row]
+            freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[row]
+            pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[row]
+            v = flat[keys]
+            flat[keys] = 0.0
+            counts = flat.index_add_(0, keys, torch.ones_like(v))[keys]  # each occurrence sees its count
+            flat[keys] = v - (freq * counts + pres)
 
     def _logprob_stats(
         self, raw: torch.Tensor, idx: list[int], width: int
@@ -283,9 +288,9 @@ def _flat_keys(
     if not sum(lengths):
         return torch.empty(0, dtype=torch.long, device=device)
     ids = torch.frombuffer(array("q", chain.from_iterable(seqs)), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.tensor(row), torch.tensor(lengths))
-    ok = (ids >= 0) & (ids < vocab)
-    return (rows * vocab + ids)[ok].to(device)
+    keys = torch.repeat_interleave(torch.tensor(row) * vocab, torch.tensor(lengths)) + ids
+    outside = (ids < 0) | (ids >= vocab)
+    return (keys[~outside] if outside.any() else keys).to(device)
 
 
 def _gather_rows(src: torch.Tensor, idx: list[int], out: torch.Tensor) -> torch.Tensor:
