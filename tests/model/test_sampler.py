@@ -323,10 +323,12 @@ def test_make_generator_uses_the_whole_seed() -> None:
 
 
 def test_candidate_stages_match_full_sort(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Top-k/top-p rows resolved among 64 or 1024 candidates draw exactly what the full sort draws."""
-    vocab = 4096
+    """Top-k/top-p rows resolved among 64, 1024 or 8192 candidates draw exactly what the full sort draws.
+
+    The spread of scales and parameters sends rows to every stage (29 / 9 / 15 / 11 of the 64)."""
+    vocab = 16384
     gen = torch.Generator().manual_seed(9)
-    scale = torch.tensor([0.5, 1.0, 3.0, 6.0]).repeat(16)[:, None]
+    scale = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 6.0]).repeat(11)[:64, None]
     logits = (torch.randn(64, vocab, generator=gen) * scale).bfloat16()  # bf16: plenty of exact ties
     combos = [
         dict(top_p=0.9),
@@ -336,6 +338,8 @@ def test_candidate_stages_match_full_sort(monkeypatch: pytest.MonkeyPatch) -> No
         dict(top_k=2000),
         dict(top_p=0.5, min_p=0.01),
         dict(top_k=5, top_p=0.99),
+        dict(top_p=0.7),
+        dict(top_k=9000, top_p=0.9),
     ]
     params = [dict(temperature=0.8, seed=100 + i, **combos[i % len(combos)]) for i in range(64)]
 
