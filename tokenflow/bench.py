@@ -40,8 +40,8 @@ def make_workload(tokenizer: Any, num_requests: int, min_tokens: int, max_tokens
         words = [rng.choice(_WORDS) for _ in range(target)]
         text = "Summarize these notes: " + " ".join(words)
         messages = [{"role": "user", "content": text}]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
         prompts.append(ids[: max_tokens + 40] if len(ids) > max_tokens + 40 else ids)
     rng.shuffle(prompts)
     return prompts
@@ -107,7 +107,9 @@ async def _run_tokenflow(args: argparse.Namespace, prompts: list[list[int]]) -> 
                 tg.start_soon(client)
         wall = time.perf_counter() - started
         result = _summary(args.engine, args.concurrency, wall, ttfts, latencies, out_tokens)
-        result["engine_stats"] = {k: v for k, v in engine.stats().items() if isinstance(v, (int, float, str))}
+        stats = engine.stats()
+        result["engine_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
+        result["decode_step_ms_by_batch"] = stats.get("decode_step_ms_by_batch", {})
         return result
 
 
@@ -170,6 +172,7 @@ def bare_forward_ms(model: Any, batch: int, context: int = 300, repeats: int = 5
 
 def _worker(args: argparse.Namespace) -> None:
     """Run one engine on the workload and print one JSON line."""
+    args.concurrency = int(args.concurrency)
     import anyio
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -184,7 +187,7 @@ def _worker(args: argparse.Namespace) -> None:
         dtype = resolve_dtype(args.dtype, torch.device("cpu"))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         result = _run_naive(args, model, prompts)
-        result["bare_forward_ms"] = {b: bare_forward_ms(model, b) for b in (1, 16)}
+        result["bare_forward_ms"] = {str(b): bare_forward_ms(model, b) for b in (1, 16)}
     else:
         result = anyio.run(_run_tokenflow, args, prompts)
     print("RESULT " + json.dumps(result), flush=True)
@@ -218,14 +221,15 @@ def _print_table(results: list[dict[str, Any]]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
     for r in results:
         if "bare_forward_ms" in r:
-            print(f"bare HF decode forward (DynamicCache, context 300): batch 1 = {r['bare_forward_ms'][1]} ms, "
-                  f"batch 16 = {r['bare_forward_ms'][16]} ms")
+            print(f"bare HF decode forward (DynamicCache, context 300): batch 1 = {r['bare_forward_ms']['1']} ms, "
+                  f"batch 16 = {r['bare_forward_ms']['16']} ms")
             break
     for r in results:
-        s = r.get("engine_stats", {})
-        if "forward_time_ms" in s:
-            print(f"{r['engine']} c={r['concurrency']}: last step {s.get('step_time_ms')} ms, "
-                  f"forward {s.get('forward_time_ms')} ms")
+        for size, t in r.get("decode_step_ms_by_batch", {}).items():
+            if str(size) in ("1", "16") and t["count"] >= 3:
+                share = (t["step"] - t["forward"]) / t["step"] * 100
+                print(f"{r['engine']} c={r['concurrency']}: decode step at batch {size}: {t['step']} ms median "
+                      f"({t['forward']} ms in the model forward, engine overhead {share:.1f}%; n={t['count']})")
 
 
 def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:

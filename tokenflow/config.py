@@ -55,13 +55,14 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     breaker_open_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
     breaker_probes: Positive = 2
     timeout: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
-    request_stages: list[str] = msgspec.field(default_factory=lambda: ["tokenizer"])
+    request_stages: list[str] = msgspec.field(default_factory=lambda: ["breaker", "tokenizer"])
     batcher: str = "batcher"
     length_buckets: list[Positive] = msgspec.field(default_factory=lambda: [32, 64, 128, 256, 512, 1024, 2048])
     tokenizer_window_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
     tokenizer_cache_size: Annotated[int, msgspec.Meta(ge=0)] = 1024
     num_threads: Positive | None = None
     self_check: bool = True
+    debug_leaks: bool = False  # an idle engine holding KV blocks dies (EngineError) instead of only logging
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith(("cuda", "mps")):

@@ -90,7 +90,9 @@ class Engine:
         self.ctx = ctx
         self.loaded = loaded
         self.output = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, loaded.max_model_len)
-        self._loop = StepLoop(backend, batcher, self.output, loaded, ctx.observers)
+        self._loop = StepLoop(
+            backend, batcher, self.output, loaded, ctx.observers, debug_leaks=config.debug_leaks
+        )
         self._chain = _build_chain(stages, self._enqueue)
         self._background = _spawn(self._loop.run)
         self._state = "running"
@@ -169,7 +171,15 @@ class Engine:
         return request
 
     async def _enqueue(self, request: Request) -> None:
-        """The last link of the request path: hand the request to the step loop."""
+        """The last link of the request path: hand the request to the step loop.
+
+        A stage may hold back a cancellation (the tokenizer shields its batch
+        leader): deliver it here, and honour a passed deadline whose timer has
+        not fired yet, so a cancelled or expired request never reaches the model.
+        """
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        if request.deadline is not None and anyio.current_time() >= request.deadline:
+            raise TimeoutError  # `_results` turns it into DeadlineExceeded
         self._check_open()
         assert self._loop is not None
         self.output.prepare(request)

@@ -60,8 +60,13 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"`{name}` must be a finite number, got {value!r}")
-        if any(s == "" for s in self.stop):
-            raise ValueError("`stop` strings must be non-empty")
+        for stop in self.stop:
+            if not stop:
+                raise ValueError("`stop` strings must be non-empty")
+            try:
+                stop.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("`stop` strings must be valid Unicode (no lone surrogates)") from None
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError("`seed` must fit in 64 bits")
 

@@ -8,13 +8,17 @@ change under it (an abort only flips its status, which the worker ignores).
 
 A failed step fails the requests of that step with `EngineError`; after
 `MAX_CONSECUTIVE_FAILURES` failed steps in a row the engine is dead and every
-pending caller gets `EngineError`.
+pending caller gets `EngineError`. A failing `batcher.schedule()` counts the
+same way, but fails every pending request: the batcher's view of all of them
+is suspect, and failing them is the only way to be sure no caller waits on a
+request that the batcher dropped mid-schedule.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import statistics
 import time
 from typing import Any
 
@@ -30,7 +34,7 @@ from tokenflow.output import OutputProcessor
 from tokenflow.protocols import StepPlan
 from tokenflow.request import Request, RequestStatus
 
-__all__ = ("MAX_CONSECUTIVE_FAILURES", "StepLoop")
+__all__ = ("MAX_CONSECUTIVE_FAILURES", "KVLeakError", "StepLoop")
 
 log = logging.getLogger("tokenflow")
 
@@ -38,11 +42,22 @@ MAX_CONSECUTIVE_FAILURES = 3
 _RATE_WINDOW_S = 10.0
 
 
+class KVLeakError(RuntimeError):
+    """An idle engine still references KV blocks (raised only with `debug_leaks`)."""
+
+
 class StepLoop:
     def __init__(
-        self, backend: Any, batcher: Any, output: OutputProcessor, loaded: LoadedModel, observers: list[Any]
+        self, backend: Any, batcher: Any, output: OutputProcessor, loaded: LoadedModel, observers: list[Any],
+        *, debug_leaks: bool = False,
     ) -> None:
         self.observers = observers
+        self.debug_leaks = debug_leaks
+        # Requests handed to the batcher that are unfinished or still hold blocks (pruned as they
+        # end, amortised O(1)): the leak check names holders from it, and a broken batcher's
+        # requests can be failed even when it lost track of them.
+        self._tracked: dict[Request, None] = {}
+        self._prune_at = 64
         self.backend = backend
         self.batcher = batcher
         self.output = output
@@ -61,10 +76,15 @@ class StepLoop:
         self.last_step_ms = 0.0
         self.last_forward_ms = 0.0
         self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
+        self._decode_step_ms: dict[int, collections.deque[tuple[float, float]]] = {}
 
     # -- called from callers' tasks -------------------------------------------
     def add(self, request: Request) -> None:
         self.batcher.add(request)  # may raise InvalidRequest: the caller gets it
+        self._tracked[request] = None
+        if len(self._tracked) > self._prune_at:
+            self._tracked = {r: None for r in self._tracked if r.block_table or not r.finished}
+            self._prune_at = 2 * len(self._tracked) + 64
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         self._wake.set()
 
@@ -85,8 +105,13 @@ class StepLoop:
         await self._idle.wait()
 
     def fail_all(self, error: Exception) -> None:
-        for request in [*self.batcher.waiting, *self.batcher.running]:
+        for request in self._pending():
             self._fail(request, error)
+
+    def _pending(self) -> list[Request]:
+        """Requests not yet finished: the batcher's, and any it may have lost."""
+        found = [*self.batcher.waiting, *self.batcher.running, *self._tracked]
+        return [r for r in dict.fromkeys(found) if r.status is not RequestStatus.FINISHED]
 
     # -- the loop -------------------------------------------------------------
     async def run(self) -> None:
@@ -96,7 +121,7 @@ class StepLoop:
             try:
                 while True:
                     self._reap_aborted()
-                    if not self.batcher.has_work():
+                    if self.dead or not self.batcher.has_work():
                         break
                     if self.static:
                         await self._run_static_batch()
@@ -110,7 +135,12 @@ class StepLoop:
             self._idle.set()
 
     async def _run_step(self) -> None:
-        plan = self.batcher.schedule()
+        try:
+            plan = self.batcher.schedule()
+        except Exception as exc:
+            log.exception("batcher.schedule() failed")
+            self._step_failed(self._pending(), exc, what="scheduling")
+            return
         for request, error in plan.rejected:
             self._fail(request, error)
         if not plan.chunks:
@@ -138,6 +168,9 @@ class StepLoop:
         ]
         self._accept_tokens(items)
         self.last_step_ms = (time.perf_counter() - started) * 1e3
+        if plan.num_tokens == len(plan.chunks):  # a decode-only step: track its time by batch size
+            recent = self._decode_step_ms.setdefault(len(plan.chunks), collections.deque(maxlen=256))
+            recent.append((self.last_step_ms, self.last_forward_ms))
 
     def _execute(self, plan: StepPlan) -> SamplerOutput:
         """Worker thread: forward + sample."""
@@ -150,7 +183,12 @@ class StepLoop:
         return self.sampler.sample(logits, rows)
 
     async def _run_static_batch(self) -> None:
-        batch = self.batcher.take_batch()
+        try:
+            batch = self.batcher.take_batch()
+        except Exception as exc:
+            log.exception("batcher.take_batch() failed")
+            self._step_failed(self._pending(), exc, what="scheduling")
+            return
         if not batch:
             return
 
@@ -199,7 +237,11 @@ class StepLoop:
         if request.status is not RequestStatus.FINISHED:
             self.num_failed += 1
             self._notify_end(request, "failed" if isinstance(error, EngineError) else "rejected")
-        self.batcher.finish(request)
+        try:
+            self.batcher.finish(request)
+        except Exception:  # a broken batcher must not keep the caller waiting; the leak check reports blocks
+            log.exception("batcher.finish() failed for %s", request.request_id)
+            request.status = RequestStatus.FINISHED
         request.collector.fail(error)
 
     def _notify_end(self, request: Request, outcome: str) -> None:
@@ -210,10 +252,10 @@ class StepLoop:
         for observer in self.observers:
             observer.on_step(duration_s, ok)
 
-    def _step_failed(self, requests: list[Request], exc: Exception) -> None:
+    def _step_failed(self, requests: list[Request], exc: Exception, what: str = "the model step") -> None:
         self._failures += 1
-        log.error("model step failed (%d in a row): %r", self._failures, exc)
-        error = EngineError(f"the model step failed: {exc!r}")
+        log.error("%s failed (%d in a row): %r", what, self._failures, exc)
+        error = EngineError(f"{what} failed: {exc!r}")
         error.__cause__ = exc
         for request in requests:
             self._fail(request, error)
@@ -222,13 +264,26 @@ class StepLoop:
 
     def _die(self, exc: BaseException) -> None:
         self.dead = True
-        error = EngineError(f"the engine died after repeated failures: {exc!r}")
+        error = EngineError(f"the engine died: {exc!r}")
         self.fail_all(error)
 
     def _check_idle_leak(self) -> None:
+        """Nothing waits or runs: no KV block may be referenced. Name the holders; die with `debug_leaks`."""
+        if self.batcher.has_work():
+            return
+        self._tracked = {r: None for r in self._tracked if r.block_table or not r.finished}
         pool = getattr(self.batcher, "pool", None)
-        if pool is not None and pool.num_used:
-            log.error("idle engine still holds %d KV blocks referenced", pool.num_used)
+        if pool is None or not pool.num_used:
+            return
+        holders = [r for r in self._tracked if r.block_table]
+        held = sum(len(r.block_table) for r in holders)
+        names = ", ".join(f"{r.request_id} ({len(r.block_table)} blocks, {r.status.value})" for r in holders)
+        message = f"idle engine still holds {pool.num_used} KV blocks: {names or 'no live request'}"
+        if pool.num_used > held:
+            message += f"; {pool.num_used - held} held by no live request"
+        log.error(message)
+        if self.debug_leaks:
+            self._die(KVLeakError(message))
 
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -243,6 +298,11 @@ class StepLoop:
             "forward_time_ms": round(self.last_forward_ms, 2),
             "tokens_per_s": round(sum(n for _, n in recent) / span, 1) if span > 0 else 0.0,
             "dead": self.dead,
+        }
+        stats["decode_step_ms_by_batch"] = {
+            size: {"step": round(statistics.median(s for s, _ in times), 2),
+                   "forward": round(statistics.median(f for _, f in times), 2), "count": len(times)}
+            for size, times in sorted(self._decode_step_ms.items())
         }
         stats.update(self.batcher.stats())
         stats.update(self.backend.stats())

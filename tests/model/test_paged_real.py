@@ -54,7 +54,8 @@ def test_fp32_greedy_matches_generate(real_model: Path) -> None:
         for i in active:  # prefill in chunks of 13 tokens next to the others' decodes
             end = min(cached[i] + 13, len(tokens[i]))
             blocks[i] += pool.allocate(pool.blocks_needed(end) - len(blocks[i]))
-            chunks.append(SeqChunk(tokens[i][cached[i] : end], cached[i], list(blocks[i]), end == len(tokens[i])))
+            done = end == len(tokens[i])
+            chunks.append(SeqChunk(tokens[i][cached[i] : end], cached[i], list(blocks[i]), done))
             cached[i] = end
         picks = iter(runner.execute(chunks).argmax(-1).tolist())
         for i, c in zip(active, chunks):

@@ -219,8 +219,10 @@ def test_refuses_unknown_attention_argument(monkeypatch: pytest.MonkeyPatch) -> 
         return original(self, *args, softcap=30.0, **kwargs)
 
     monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", forward)
+    model = build("llama")
     with pytest.raises(ModelLoadError, match="softcap"):
-        make_runner(build("llama"))
+        make_runner(model)
+    assert model.config._attn_implementation == "sdpa"  # left usable by the `hf` backend
 
 
 def test_refuses_gemma2() -> None:
@@ -259,12 +261,20 @@ def test_decode_groups_match_model_forward(slack: int) -> None:
     g = torch.Generator().manual_seed(4)
     full = [torch.randint(0, 256, (n + 3,), generator=g).tolist() for n in (2, 9, 17, 30, 31, 9)]
     seqs = [Seq(f[:-3]) for f in full]
+    refs = [reference_logits(ref, f) for f in full]
     runner.execute([s.chunk(pool, 64) for s in seqs])  # prefill everything
     for step in range(3):
         for s, f in zip(seqs, full):
             s.tokens.append(f[len(s.tokens)])
         chunks = [s.chunk(pool, 1) for s in seqs]
         logits = runner.execute(chunks)
-        for row, c, f in zip(logits, chunks, full):
-            want = reference_logits(ref, f)[c.start_pos]
+        for row, c, want_all in zip(logits, chunks, refs):
+            want = want_all[c.start_pos]
             torch.testing.assert_close(row, want, atol=1e-4, rtol=1e-4, msg=f"slack {slack} step {step}")
+
+
+def test_refuses_position_dependent_rope() -> None:
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters=rope))
+    with pytest.raises(ModelLoadError, match="dynamic"):
+        make_runner(model)

@@ -69,7 +69,7 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [rows * max_blocks] long, each row padded with block 0
     max_blocks: int
     kv_len: int  # longest context in the group; gathered keys are sliced to it
-    mask: torch.Tensor | None  # [rows, 1, 1, kv_len] additive (0 / -inf), None when all contexts are equal
+    mask: torch.Tensor | None  # [rows, 1, 1, kv_len] bool, True = attend; None when all contexts are equal
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +175,7 @@ def paged_attention_forward(
         # One query per sequence: the G heads sharing a KV head become G query rows against it.
         q = q_rows[grp.q_start : grp.q_end].reshape(n, num_kv_heads, group, head_dim)  # [n, KVH, G, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scaling)  # [n, KVH, G, D]
-        pieces.append(out.view(n, num_heads, head_dim))
+        pieces.append(out.reshape(n, num_heads, head_dim))  # a view unless the kernel's layout differs
 
     for seg in meta.prefills:
         q = query[:, :, seg.q_start : seg.q_end]  # [1, H, t, D]

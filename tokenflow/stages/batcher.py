@@ -7,8 +7,10 @@ computed tokens catch up towards its known tokens within a token budget
 go first (a decode costs one token, a long prompt continues in chunks), then
 waiting requests are admitted in (priority, arrival) order while budget and
 KV blocks last. When blocks run out, the latest-arrived request of the lowest
-priority is preempted by recomputation: its blocks are dropped and it
-rejoins the front of the queue, keeping its generated tokens.
+priority is preempted by recomputation (the request asking for blocks
+yields itself when it is that one: a worse-placed request never evicts a
+better one): its blocks are dropped and it rejoins the queue at its
+(priority, arrival) place, keeping its generated tokens.
 
 Static batching (the `hf` backend) takes a batch of waiting requests from one
 prompt-length bucket so padding stays small.
@@ -51,7 +53,7 @@ class BucketingBatcher:
 
     # -- queue -------------------------------------------------------------
     def add(self, request: Request) -> None:
-        if len(self.waiting) >= self.max_queue:
+        if len(self.waiting) >= self.max_queue:  # a last guard: the breaker stage bounds the queue first
             raise Overloaded(f"the waiting queue is full ({self.max_queue} requests)", retry_after=1.0)
         if self.pool is not None:
             # A request that could never fit would be preempted forever: refuse it now.
@@ -126,8 +128,8 @@ class BucketingBatcher:
         """Give `request` blocks for `num_new` more tokens, preempting others if needed."""
         needed = self.pool.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_table)
         while needed > 0 and not self.pool.can_allocate(needed):
-            victim = self._pick_victim(exclude=request)
-            if victim is None:
+            victim = self._pick_victim()
+            if victim is None or victim is request:  # it is the worst placed itself: it yields
                 self._preempt(request, plan)
                 return False
             if id(victim) in scheduled:
@@ -138,8 +140,8 @@ class BucketingBatcher:
             request.block_table.extend(self.pool.allocate(needed))
         return True
 
-    def _pick_victim(self, exclude: Request) -> Request | None:
-        candidates = [r for r in self.running if r is not exclude and r.status is RequestStatus.RUNNING]
+    def _pick_victim(self) -> Request | None:
+        candidates = [r for r in self.running if r.status is RequestStatus.RUNNING]
         if not candidates:
             return None
         # Lowest priority (largest value) first, then the latest arrival.
@@ -152,7 +154,7 @@ class BucketingBatcher:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.insert(0, request)
+        bisect.insort(self.waiting, request, key=_order)  # its place by (priority, arrival): near the front
         plan.preempted.append(request)
 
     # -- static batching (hf) ----------------------------------------------

@@ -122,8 +122,8 @@ class TokenizerStage:
             self._leader_active = False
         try:
             results = await anyio.to_thread.run_sync(self._encode_jobs, jobs)
-        except Exception as exc:  # one bad prompt must not fail its batch neighbours silently
-            results = [exc] * len(jobs)
+        except Exception:  # one bad prompt must not fail its neighbours: encode each alone
+            results = await anyio.to_thread.run_sync(self._encode_each, jobs)
         self.num_batches += 1
         for job, result in zip(jobs, results):
             if isinstance(result, BaseException):
@@ -157,6 +157,15 @@ class TokenizerStage:
                 results[i] = list(ids)
         return results
 
+    def _encode_each(self, jobs: list[_Job]) -> list[list[int] | BaseException]:
+        results: list[list[int] | BaseException] = []
+        for job in jobs:
+            try:
+                results.extend(self._encode_jobs([job]))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
         if not isinstance(messages, Sequence) or not messages:
             raise InvalidRequest("`messages` must be a non-empty list of {role, content} dicts", field="messages")
@@ -168,7 +177,15 @@ class TokenizerStage:
             _check_text(m["content"])
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequest("this model has no chat template; use generate() with a prompt", field="messages")
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        except Exception as exc:
+            raise InvalidRequest(f"chat messages could not be rendered: {exc}", field="messages") from None
+        try:
+            _check_text(text)
+        except InvalidRequest as exc:
+            raise InvalidRequest(str(exc), field="messages") from None
+        return text
 
     def stats(self) -> dict[str, Any]:
         return {
