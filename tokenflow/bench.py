@@ -31,7 +31,9 @@ _WORDS = (
 ).split()
 
 
-def make_workload(tokenizer: Any, num_requests: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
+def make_workload(
+    tokenizer: Any, num_requests: int, min_tokens: int, max_tokens: int, seed: int = 0
+) -> list[list[int]]:
     """Seeded chat prompts with lengths spread evenly over [min_tokens, max_tokens]."""
     rng = random.Random(seed)
     prompts = []
@@ -113,8 +115,11 @@ async def _run_tokenflow(args: argparse.Namespace, prompts: list[list[int]]) -> 
         return result
 
 
-def _run_naive(args: argparse.Namespace, model: Any, prompts: list[list[int]]) -> dict[str, Any]:
-    """One request at a time with `generate`; C clients queue for the one model."""
+def _run_naive(args: argparse.Namespace, model: Any, prompts: list[list[int]],
+               concurrencies: list[int]) -> list[dict[str, Any]]:
+    """One request at a time with `generate`. The model serves one request at a time whatever the
+    concurrency, so each request runs once and C closed-loop clients are replayed from the measured
+    service times: with C clients, request k is sent when request k - C finishes."""
     import torch
     from transformers import GenerationConfig
 
@@ -133,22 +138,30 @@ def _run_naive(args: argparse.Namespace, model: Any, prompts: list[list[int]]) -
 
     gen = GenerationConfig(max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False,
                            pad_token_id=0)
-    ttfts, latencies, out_tokens = [], [], 0
-    started = time.perf_counter()
-    # Closed loop with C clients on one serial model: request k waits for the k-C earlier ones.
-    finish_times: list[float] = []
-    for i, ids in enumerate(prompts):
-        sent = started if i < args.concurrency else finish_times[i - args.concurrency]
+    services: list[tuple[float, float]] = []  # (time to first token, total time) per request
+    out_tokens = 0
+    for ids in prompts:
         streamer = FirstToken()
+        t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(torch.tensor([ids]), generation_config=gen, streamer=streamer)
         done = time.perf_counter()
-        finish_times.append(done)
+        services.append(((streamer.first or done) - t0, done - t0))
         out_tokens += out.shape[1] - len(ids)
-        ttfts.append((streamer.first or done) - sent)
-        latencies.append(done - sent)
-    wall = time.perf_counter() - started
-    return _summary("naive", args.concurrency, wall, ttfts, latencies, out_tokens)
+    results = []
+    for c in concurrencies:
+        finish: list[float] = []
+        ttfts, latencies = [], []
+        clock = 0.0
+        for i, (first, total) in enumerate(services):
+            sent = 0.0 if i < c else finish[i - c]
+            start = max(clock, sent)
+            clock = start + total
+            finish.append(clock)
+            ttfts.append(start + first - sent)
+            latencies.append(clock - sent)
+        results.append(_summary("naive", c, clock, ttfts, latencies, out_tokens))
+    return results
 
 
 def bare_forward_ms(model: Any, batch: int, context: int = 300, repeats: int = 5) -> float:
@@ -171,8 +184,9 @@ def bare_forward_ms(model: Any, batch: int, context: int = 300, repeats: int = 5
 
 
 def _worker(args: argparse.Namespace) -> None:
-    """Run one engine on the workload and print one JSON line."""
-    args.concurrency = int(args.concurrency)
+    """Run one engine on the workload and print one JSON line (a list of results)."""
+    concurrencies = [int(c) for c in str(args.concurrency).split(",")]
+    args.concurrency = concurrencies[0]
     import anyio
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -186,11 +200,11 @@ def _worker(args: argparse.Namespace) -> None:
     if args.engine == "naive":
         dtype = resolve_dtype(args.dtype, torch.device("cpu"))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-        result = _run_naive(args, model, prompts)
-        result["bare_forward_ms"] = {str(b): bare_forward_ms(model, b) for b in (1, 16)}
+        results = _run_naive(args, model, prompts, concurrencies)
+        results[0]["bare_forward_ms"] = {str(b): bare_forward_ms(model, b) for b in (1, 16)}
     else:
-        result = anyio.run(_run_tokenflow, args, prompts)
-    print("RESULT " + json.dumps(result), flush=True)
+        results = [anyio.run(_run_tokenflow, args, prompts)]
+    print("RESULT " + json.dumps(results), flush=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -236,26 +250,29 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.engine:
         _worker(args)
         return []
-    results = []
-    for concurrency in [int(c) for c in args.concurrency.split(",")]:
-        for engine in args.engines.split(","):
-            cmd = [sys.executable, "-m", "tokenflow", "bench", "--worker", engine, "--concurrency", str(concurrency),
-                   "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
-                   "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt),
-                   "--dtype", args.dtype]
-            if args.model:
-                cmd += ["--model", args.model]
-            if args.settings:
-                cmd += ["--settings", args.settings]
-            if not args.warmup:
-                cmd.append("--no-warmup")
-            print(f"running {engine} at concurrency {concurrency} ...", file=sys.stderr, flush=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if proc.returncode != 0 or line is None:
-                print(proc.stderr[-3000:], file=sys.stderr)
-                raise SystemExit(f"bench worker {engine} failed (exit {proc.returncode})")
-            results.append(json.loads(line[len("RESULT "):]))
+    results: list[dict[str, Any]] = []
+    jobs = [(engine, str(c)) for c in args.concurrency.split(",") for engine in args.engines.split(",")
+            if engine != "naive"]
+    if "naive" in args.engines.split(","):
+        jobs.insert(0, ("naive", args.concurrency))  # one run serves every concurrency level
+    for engine, concurrency in jobs:
+        cmd = [sys.executable, "-m", "tokenflow", "bench", "--worker", engine, "--concurrency", concurrency,
+               "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
+               "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt), "--dtype", args.dtype]
+        if args.model:
+            cmd += ["--model", args.model]
+        if args.settings:
+            cmd += ["--settings", args.settings]
+        if not args.warmup:
+            cmd.append("--no-warmup")
+        print(f"running {engine} at concurrency {concurrency} ...", file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"bench worker {engine} failed (exit {proc.returncode})")
+        results.extend(json.loads(line[len("RESULT "):]))
+    results.sort(key=lambda r: (r["concurrency"], r["engine"] != "naive"))
     _print_table(results)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))

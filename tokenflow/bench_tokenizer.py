@@ -114,8 +114,8 @@ def _detok_cost(tokenizer: Any, streams: int, steps: int) -> float:
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
-        for i, r in enumerate(requests):
-            out.append(r, ids[(step + i) % len(ids)], None)
+        for offset, r in enumerate(requests):
+            out.append(r, ids[(step + offset) % len(ids)], None)
         times.append((time.perf_counter() - t0) * 1e6)
     return round(statistics.median(times), 1)
 

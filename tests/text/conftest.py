@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+
 @pytest.fixture(scope="session")
 def real_tokenizer(real_model: Path) -> Any:
     """SmolLM2-135M-Instruct's tokenizer (byte-level BPE, vocab 49152) as transformers loads it."""
