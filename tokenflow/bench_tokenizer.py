@@ -107,7 +107,7 @@ def _detok_cost(tokenizer: Any, streams: int, steps: int) -> float:
     ids = tokenizer(" ".join(_texts(1, steps * 2, seed=2)))["input_ids"]
     out = OutputProcessor(tokenizer, frozenset(), 10**9)
     requests = []
-    for i in range(streams):
+    for _ in range(streams):
         r = Request(SamplingParams(max_tokens=10**6, stop=["</end>", "STOP HERE"]), prompt_token_ids=ids[:8])
         out.prepare(r)
         requests.append(r)
