@@ -65,7 +65,9 @@ class PagedBackend:
         )
         self.kv_bytes = per_block * num_blocks
         self.pool = BlockPool(num_blocks, self.config.block_size)
-        self.runner = PagedModelRunner(model, kv_cache)
+        self.runner = PagedModelRunner(
+            model, kv_cache, max_model_len=ctx.max_model_len, self_check=self.config.self_check
+        )
         ctx.shared["block_pool"] = self.pool
         log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
                  self.kv_bytes / 2**20)
