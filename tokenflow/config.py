@@ -44,7 +44,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     block_size: Positive = 16
     num_kv_blocks: Positive | None = None
     kv_cache_bytes: Positive | None = None
-    kv_cache_memory_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=0.95)] = 0.25
+    kv_cache_memory_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=0.95)] | None = None
     max_num_seqs: Positive = 32
     max_batch_tokens: Positive = 512
     max_queue: Positive = 4096

@@ -61,6 +61,26 @@ class KVCache:
         # Views sharing the memory above, indexed by slot = block_id * block_size + offset.
         self.k_slots: list[torch.Tensor] = [t.view(flat) for t in self.k]  # [num_slots, kv_heads, head_dim]
         self.v_slots: list[torch.Tensor] = [t.view(flat) for t in self.v]  # [num_slots, kv_heads, head_dim]
+        # Reused destinations of the per-layer block gathers: a fresh multi-MB tensor per gather
+        # costs more in page faults than the copy itself on CPU.
+        self._gather_k = torch.empty(0, dtype=dtype, device=dev)
+        self._gather_v = torch.empty(0, dtype=dtype, device=dev)
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `block_ids` in `layer`, each `[len(block_ids), block_size, kv_heads, head_dim]`.
+
+        The results live in scratch buffers that the next `gather` overwrites: use them before.
+        """
+        shape = (block_ids.shape[0], self.block_size, self.num_kv_heads, self.head_dim)
+        numel = shape[0] * shape[1] * shape[2] * shape[3]
+        if self._gather_k.numel() < numel:
+            self._gather_k = torch.empty(numel, dtype=self.dtype, device=self.device)
+            self._gather_v = torch.empty(numel, dtype=self.dtype, device=self.device)
+        k = self._gather_k[:numel].view(shape)
+        v = self._gather_v[:numel].view(shape)
+        torch.index_select(self.k[layer], 0, block_ids, out=k)
+        torch.index_select(self.v[layer], 0, block_ids, out=v)
+        return k, v
 
     @staticmethod
     def geometry(model_config: Any) -> tuple[int, int, int]:

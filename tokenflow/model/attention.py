@@ -169,9 +169,10 @@ def paged_attention_forward(
     for grp in meta.decodes:
         n = grp.q_end - grp.q_start
         shape = (n, grp.max_blocks * cache.block_size, num_kv_heads, head_dim)
+        k_blocks, v_blocks = cache.gather(layer, grp.block_ids)
         # [n, KVH, kv_len, D] views of the gathered blocks
-        k = cache.k[layer].index_select(0, grp.block_ids).view(shape)[:, : grp.kv_len].transpose(1, 2)
-        v = cache.v[layer].index_select(0, grp.block_ids).view(shape)[:, : grp.kv_len].transpose(1, 2)
+        k = k_blocks.view(shape)[:, : grp.kv_len].transpose(1, 2)
+        v = v_blocks.view(shape)[:, : grp.kv_len].transpose(1, 2)
         # One query per sequence: the G heads sharing a KV head become G query rows against it.
         q = q_rows[grp.q_start : grp.q_end].reshape(n, num_kv_heads, group, head_dim)  # [n, KVH, G, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scaling)  # [n, KVH, G, D]
@@ -184,9 +185,10 @@ def paged_attention_forward(
             v = value[:, :, seg.q_start : seg.q_end]
         else:
             shape = (1, seg.block_ids.shape[0] * cache.block_size, num_kv_heads, head_dim)
+            k_blocks, v_blocks = cache.gather(layer, seg.block_ids)
             # [1, KVH, kv_len, D] views of the gathered blocks
-            k = cache.k[layer].index_select(0, seg.block_ids).view(shape)[:, : seg.kv_len].transpose(1, 2)
-            v = cache.v[layer].index_select(0, seg.block_ids).view(shape)[:, : seg.kv_len].transpose(1, 2)
+            k = k_blocks.view(shape)[:, : seg.kv_len].transpose(1, 2)
+            v = v_blocks.view(shape)[:, : seg.kv_len].transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q,
             k,

@@ -24,6 +24,10 @@ __all__ = ("PagedBackend", "create", "kv_pool_blocks")
 
 log = logging.getLogger("tokenflow")
 
+# Share of free memory for the KV pool when no size is given: on a GPU the pool is the point of the
+# device memory; on a CPU it shares RAM with the app embedding us (the pool is zero-filled, so resident).
+_DEFAULT_FRACTION = {False: 0.05, True: 0.6}
+
 
 def available_memory(device: torch.device) -> int:
     """Free bytes on the device: `mem_get_info` on CUDA, available RAM on CPU."""
@@ -38,7 +42,8 @@ def kv_pool_blocks(config: EngineConfig, bytes_per_block: int, max_model_len: in
     never more than every sequence at full length needs."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    budget = config.kv_cache_bytes or int(available_memory(device) * config.kv_cache_memory_fraction)
+    fraction = config.kv_cache_memory_fraction or _DEFAULT_FRACTION[device.type == "cuda"]
+    budget = config.kv_cache_bytes or int(available_memory(device) * fraction)
     blocks_per_seq = -(-max_model_len // config.block_size)
     ceiling = blocks_per_seq * config.max_num_seqs
     return max(1, min(budget // bytes_per_block, ceiling))
