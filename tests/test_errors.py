@@ -180,3 +180,35 @@ async def _fail_until_dead(engine: Engine) -> None:
     assert engine.stats()["dead"] is True
     with pytest.raises(EngineClosed):
         await engine.generate("after death")
+
+
+async def test_out_of_memory_in_a_step_shrinks_the_batch_before_failing_anyone(tiny_model) -> None:
+    """A CUDA OOM (simulated: torch.OutOfMemoryError is what CUDA raises) preempts half the batch."""
+    import torch
+
+    async with Engine(tiny_model, num_kv_blocks=256) as engine:
+        backend = engine._loop.backend
+        real_execute = backend.execute
+        ooms = {"n": 0}
+
+        def tight_memory(plan):
+            if len(plan.chunks) > 2:  # the "device" only fits two sequences per step
+                ooms["n"] += 1
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return real_execute(plan)
+
+        alone = [await engine.generate(f"prompt {i}", max_tokens=6, temperature=0.0, ignore_eos=True)
+                 for i in range(6)]
+        backend.execute = tight_memory
+        results = {}
+
+        async def one(i: int) -> None:
+            results[i] = await engine.generate(f"prompt {i}", max_tokens=6, temperature=0.0, ignore_eos=True)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(one, i)
+        stats = engine.stats()
+    assert ooms["n"] >= 1 and stats["num_oom_recoveries"] >= 1 and stats["num_preemptions"] >= 1
+    assert stats["num_failed"] == 0
+    assert [results[i].token_ids for i in range(6)] == [a.token_ids for a in alone]

@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import torch
 
 from tokenflow.errors import EngineError
 from tokenflow.model.hf_backend import row_of
@@ -73,6 +74,7 @@ class StepLoop:
         self.num_finished = 0
         self.num_aborted = 0
         self.num_failed = 0
+        self.num_oom_recoveries = 0
         self.last_step_ms = 0.0
         self.last_forward_ms = 0.0
         self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
@@ -149,6 +151,15 @@ class StepLoop:
         started = time.perf_counter()
         try:
             result = await anyio.to_thread.run_sync(self._execute, plan)
+        except torch.OutOfMemoryError as exc:  # CUDA OOM: a smaller step, before failing anyone
+            shrink = getattr(self.batcher, "shrink", None)
+            if shrink is not None and shrink(plan):
+                self.num_oom_recoveries += 1
+                log.warning("out of memory in a step of %d tokens; shrinking the batch: %s", plan.num_tokens, exc)
+                return
+            self._notify_step(time.perf_counter() - started, False)
+            self._step_failed([c.request for c in plan.chunks], exc)
+            return
         except Exception as exc:
             self._notify_step(time.perf_counter() - started, False)
             self._step_failed([c.request for c in plan.chunks], exc)
@@ -294,6 +305,7 @@ class StepLoop:
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
             "num_failed": self.num_failed,
+            "num_oom_recoveries": self.num_oom_recoveries,
             "step_time_ms": round(self.last_step_ms, 2),
             "forward_time_ms": round(self.last_forward_ms, 2),
             "tokens_per_s": round(sum(n for _, n in recent) / span, 1) if span > 0 else 0.0,

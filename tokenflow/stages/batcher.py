@@ -157,6 +157,25 @@ class BucketingBatcher:
         bisect.insort(self.waiting, request, key=_order)  # its place by (priority, arrival): near the front
         plan.preempted.append(request)
 
+    def shrink(self, plan: StepPlan) -> bool:
+        """Make the next step smaller after the device ran out of memory on `plan`.
+
+        Preempts the worse-placed half of the plan's requests (they recompute later); a plan of
+        one chunk halves the token budget instead. Returns False when nothing can shrink.
+        """
+        requests = [c.request for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
+        if len(requests) > 1:
+            keep = len(requests) // 2
+            for victim in sorted(requests, key=_order)[keep:]:
+                self._preempt(victim, StepPlan())
+            self.max_num_seqs = min(self.max_num_seqs, max(keep, 1))  # the device fits no more
+            return True
+        floor = self.pool.block_size if self.pool is not None else 1
+        if self.max_batch_tokens > floor:
+            self.max_batch_tokens = max(self.max_batch_tokens // 2, floor)
+            return True
+        return False
+
     # -- static batching (hf) ----------------------------------------------
     def bucket_of(self, num_tokens: int) -> int:
         i = bisect.bisect_left(self.bucket_edges, num_tokens)
@@ -180,6 +199,8 @@ class BucketingBatcher:
             "num_waiting": len(self.waiting),
             "num_running": len(self.running),
             "num_preemptions": self.num_preemptions,
+            "max_num_seqs_effective": self.max_num_seqs,
+            "max_batch_tokens_effective": self.max_batch_tokens,
             "schedule_us": round(self.last_schedule_us, 1),
         }
 
