@@ -24,6 +24,8 @@ __all__ = (
     "NextStage",
     "RequestStage",
     "ScheduledChunk",
+    "StaticBackend",
+    "StepBackend",
     "StepPlan",
 )
 
@@ -117,9 +119,24 @@ class ModelBackend(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
-class PagedBackend(ModelBackend, Protocol):
+class StepBackend(ModelBackend, Protocol):
+    """A backend the step loop drives one step at a time (`static = False`, e.g. `paged`).
+
+    `execute` runs in a worker thread and returns the logits `[num_sampling_chunks, vocab]`.
+    """
+
+    static: bool
+
     def execute(self, plan: StepPlan) -> torch.Tensor: ...
 
 
 class StaticBackend(ModelBackend, Protocol):
+    """A backend that runs a whole batch to completion (`static = True`, e.g. `hf`).
+
+    `run_batch` runs in a worker thread and reports each step's tokens through `on_tokens`;
+    it stops a row once its request is finished.
+    """
+
+    static: bool
+
     def run_batch(self, requests: Sequence[Request], on_tokens: Callable[..., None]) -> None: ...
