@@ -7,8 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from tokenflow.testing import build_tiny_model
+
+# CI machines are small and shared: judge properties, not per-example speed.
+settings.register_profile("tokenflow", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("tokenflow")
 
 torch.set_num_threads(2)
 
