@@ -125,7 +125,7 @@ def _plugins(args: argparse.Namespace) -> None:
         status = "ok" if info.allowed else "blocked by TOKENFLOW_PLUGINS"
         try:
             obj = registry.find(info.group, info.name).load()
-            kind = getattr(obj, "__tokenflow_kind__", None) or _kind_of_factory(obj, info.group)
+            kind = _kind_of_factory(obj, info.group)
         except Exception as exc:
             status = f"error: {exc!r}"[:60]
         rows.append((info.group.split(".")[-1][:-1], info.name, kind, info.origin, info.value, status))

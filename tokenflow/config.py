@@ -97,9 +97,6 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid engine setting: {exc}", field=_field_of(str(exc))) from None
 
-    def replace(self, **changes: Any) -> EngineConfig:
-        return self.from_dict({**msgspec.structs.asdict(self), **changes})
-
 
 def _field_of(text: str) -> str | None:
     for marker in ("at `$.", "unknown field `"):

@@ -24,7 +24,6 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.num_output_tokens = 0
 
     def prepare(self, request: Request) -> None:
         """Attach the per-request detokenizer and stop matcher before it runs."""
@@ -46,7 +45,6 @@ class OutputProcessor:
             request.output_logprobs.append(logprob)
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
-        self.num_output_tokens += 1
         num_out = len(request.output_token_ids)
 
         finish: str | None = None
@@ -100,7 +98,6 @@ class OutputProcessor:
     def _emit(
         self, request: Request, text: str, token_ids: list[int], logprob: TokenLogprob | None, finish: str | None
     ) -> None:
-        request.text += text
         chunk = Chunk(text=text, token_ids=token_ids, logprobs=[logprob] if logprob is not None else None)
         if finish is not None:
             request.finish_reason = finish

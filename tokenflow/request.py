@@ -94,7 +94,6 @@ class Request:
     first_token_time: float | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    text: str = ""
     collector: OutputCollector = field(default_factory=OutputCollector)
     # Per-request helpers set by stages: a seeded torch.Generator, the detokenizer, ...
     extras: dict[str, Any] = field(default_factory=dict)

@@ -28,9 +28,8 @@ import anyio.to_thread
 import torch
 
 from tokenflow.errors import EngineError
-from tokenflow.model.hf_backend import row_of
 from tokenflow.model.loader import LoadedModel
-from tokenflow.model.sampler import Sampler, SamplerOutput
+from tokenflow.model.sampler import Sampler, SamplerOutput, row_of
 from tokenflow.output import OutputProcessor
 from tokenflow.protocols import StepPlan
 from tokenflow.request import Request, RequestStatus

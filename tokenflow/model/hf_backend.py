@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from tokenflow.config import EngineConfig
-from tokenflow.model.sampler import Sampler, SamplingRow
+from tokenflow.model.sampler import Sampler, row_of
 from tokenflow.protocols import EngineContext
 from tokenflow.request import Request
 
@@ -63,15 +64,6 @@ class _StopFinishedRows:
         return torch.tensor([r.finished for r in self.requests], dtype=torch.bool, device=input_ids.device)
 
 
-def row_of(request: Request) -> SamplingRow:
-    return SamplingRow(
-        params=request.params,
-        prompt_token_ids=request.prompt_token_ids or [],
-        output_token_ids=request.output_token_ids,
-        generator=request.extras.get("generator"),
-    )
-
-
 class HFBackend:
     static = True
 
@@ -85,9 +77,6 @@ class HFBackend:
         self.num_prompt_tokens = 0
 
     def load(self, ctx: EngineContext, model: Any) -> None:
-        from transformers import LogitsProcessorList, StoppingCriteriaList
-
-        self._lists = (LogitsProcessorList, StoppingCriteriaList)
         self.model = model
         self.sampler = Sampler(ctx.vocab_size, ctx.eos_token_ids)
         tok = ctx.tokenizer
@@ -97,9 +86,6 @@ class HFBackend:
 
     def run_batch(self, requests: Sequence[Request], on_tokens: TokenSink) -> None:
         """Blocking: generate for `requests` until every row finished."""
-        from transformers import GenerationConfig
-
-        processors, criteria = self._lists
         device = self.model.device
         longest = max(r.num_tokens for r in requests)
         ids = torch.full((len(requests), longest), self.pad_id, dtype=torch.long)
@@ -122,8 +108,8 @@ class HFBackend:
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
                 generation_config=gen_config,
-                logits_processor=processors([_SampleWithTokenflow(self.sampler, requests, on_tokens)]),
-                stopping_criteria=criteria([_StopFinishedRows(requests)]),
+                logits_processor=LogitsProcessorList([_SampleWithTokenflow(self.sampler, requests, on_tokens)]),
+                stopping_criteria=StoppingCriteriaList([_StopFinishedRows(requests)]),
             )
 
     def stats(self) -> dict[str, Any]:

@@ -22,8 +22,9 @@ from itertools import chain
 import torch
 
 from tokenflow.params import SamplingParams, TokenLogprob
+from tokenflow.request import Request
 
-__all__ = ("Sampler", "SamplerOutput", "SamplingRow", "make_generator")
+__all__ = ("Sampler", "SamplerOutput", "SamplingRow", "make_generator", "row_of")
 
 _GREEDY_EPS = 1e-5  # as vLLM: dividing by a smaller temperature overflows fp32, so treat it as greedy
 _STAGES = (64, 1024, 8192)  # candidate counts tried before a full sort for top-k / top-p rows
@@ -55,6 +56,16 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     gen = torch.Generator(device=device)
     gen.manual_seed(z ^ (z >> 31))
     return gen
+
+
+def row_of(request: Request) -> SamplingRow:
+    """The sampler's view of a request (both backends build rows the same way)."""
+    return SamplingRow(
+        params=request.params,
+        prompt_token_ids=request.prompt_token_ids or [],
+        output_token_ids=request.output_token_ids,
+        generator=request.extras.get("generator"),
+    )
 
 
 class Sampler:
