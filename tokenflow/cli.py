@@ -128,7 +128,8 @@ def _plugins(args: argparse.Namespace) -> None:
             kind = _kind_of_factory(obj, info.group)
         except Exception as exc:
             status = f"error: {exc!r}"[:60]
-        rows.append((info.group.split(".")[-1][:-1], info.name, kind, info.origin, info.value, status))
+        group = {registry.STAGES: "stage", registry.BACKENDS: "backend", registry.POLICIES: "policy"}[info.group]
+        rows.append((group, info.name, kind, info.origin, info.value, status))
     header = ("group", "name", "kind", "origin", "object", "status")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
@@ -140,8 +141,13 @@ def _kind_of_factory(factory: Any, group: str) -> str:
     from tokenflow import registry
     from tokenflow.config import EngineConfig
 
+    config = EngineConfig()
     try:
-        return registry.kind_of(factory(EngineConfig())) or "unknown"
+        try:
+            obj = factory(config)
+        except TypeError:  # a memory stage: its factory also takes the pool's size
+            obj = factory(config, num_blocks=1, block_size=1)
+        return registry.kind_of(obj) or "unknown"
     except Exception:
         return "backend" if group == registry.BACKENDS else "unknown"
 

@@ -55,8 +55,20 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     breaker_open_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
     breaker_probes: Positive = 2
     timeout: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
-    request_stages: list[str] = msgspec.field(default_factory=lambda: ["breaker", "tokenizer"])
+    request_stages: list[str] = msgspec.field(
+        default_factory=lambda: ["breaker", "disk_tier", "tokenizer", "prefetcher"]
+    )
     batcher: str = "batcher"
+    kv_pool: str = "token_pool"
+    prefix_caching: bool = True
+    eviction_policy: str = "lfu_lru"
+    cache_dir: str | None = None  # the disk tier's folder (KV blocks and cached responses); off when unset
+    disk_cache_bytes: Positive = 4 * 2**30
+    disk_retry_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0  # the disk tier stays off this long after an I/O error
+    prefetch_concurrency: Positive = 2
+    response_cache: bool = False  # serve repeated deterministic requests from a cache (per request: cache_response)
+    response_cache_size: Positive = 1024
+    response_cache_ttl_s: Annotated[float, msgspec.Meta(gt=0.0)] = 3600.0
     length_buckets: list[Positive] = msgspec.field(default_factory=lambda: [32, 64, 128, 256, 512, 1024, 2048])
     tokenizer_window_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
     tokenizer_cache_size: Annotated[int, msgspec.Meta(ge=0)] = 1024

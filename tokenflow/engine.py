@@ -22,6 +22,7 @@ import anyio.to_thread
 from tokenflow import registry
 from tokenflow.config import EngineConfig
 from tokenflow.errors import DeadlineExceeded, EngineClosed, InvalidRequest, TokenflowError
+from tokenflow.kv.block_hash import model_key
 from tokenflow.model.loader import load_model
 from tokenflow.model.sampler import make_generator
 from tokenflow.models import resolve_model
@@ -57,6 +58,7 @@ class Engine:
         self._background: _Background | None = None
         self._chain: NextStage | None = None
         self._stages: list[Any] = []
+        self._batcher: Any = None
         self.model_name = ""
 
     # -- lifecycle -----------------------------------------------------------
@@ -76,7 +78,10 @@ class Engine:
         resolved = await anyio.to_thread.run_sync(resolve_model, config.model)
         self.model_name = resolved.name
         loaded = await anyio.to_thread.run_sync(load_model, resolved.path, config)
-        ctx = EngineContext(config, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size)
+        fingerprint = await anyio.to_thread.run_sync(model_key, loaded.model, config.block_size)
+        ctx = EngineContext(
+            config, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size, fingerprint
+        )
         backend = registry.load_backend(config.backend, config)
         await anyio.to_thread.run_sync(backend.load, ctx, loaded.model)
         stages = [registry.load_stage(name, config, kinds=("request",)) for name in config.request_stages]
@@ -87,6 +92,7 @@ class Engine:
             if hasattr(stage, "start"):
                 await stage.start(ctx)
         self._stages = stages
+        self._batcher = batcher
         self.ctx = ctx
         self.loaded = loaded
         self.output = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, loaded.max_model_len)
@@ -109,6 +115,12 @@ class Engine:
             await loop.wait_idle()
         loop.fail_all(EngineClosed("the engine was closed before this request finished"))
         await self._background.stop()
+        for stage in [*self._stages, self._batcher]:
+            if hasattr(stage, "stop"):  # e.g. the disk tier flushes the pool's cached blocks
+                try:
+                    await stage.stop()
+                except Exception:
+                    log.exception("stopping stage %r failed", stage)
         self._state = "closed"
 
     # -- public API ----------------------------------------------------------

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from tokenflow.params import Chunk, TokenLogprob, Usage
 from tokenflow.request import Request
 from tokenflow.text.detokenizer import IncrementalDetokenizer
@@ -104,8 +106,14 @@ class OutputProcessor:
             chunk.finish_reason = finish  # type: ignore[assignment]
             chunk.stop_reason = request.stop_reason
             chunk.usage = usage_of(request)
+        record = request.extras.get("response_record")
+        if record is not None:  # the response cache keeps its own copy (the collector merges chunks in place)
+            record.append(msgspec.structs.replace(chunk, token_ids=list(chunk.token_ids)))
         request.collector.put(chunk)
 
 
 def usage_of(request: Request) -> Usage:
-    return Usage(prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids))
+    return Usage(
+        prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids),
+        cached_tokens=request.num_cached_tokens,
+    )

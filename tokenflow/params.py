@@ -53,6 +53,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     timeout: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
     deadline: float | None = None
     cache_salt: str | None = None
+    cache_response: bool | None = None  # None: the engine's `response_cache` setting decides
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",

@@ -20,6 +20,7 @@ __all__ = (
     "Batcher",
     "EngineContext",
     "EngineObserver",
+    "KVPool",
     "ModelBackend",
     "NextStage",
     "RequestStage",
@@ -41,6 +42,7 @@ class EngineContext:
     max_model_len: int
     eos_token_ids: frozenset[int]
     vocab_size: int
+    model_key: bytes = b""  # fingerprint of the model's weights, dtype and block size (cache keys)
     shared: dict[str, Any] = field(default_factory=dict)  # stage name -> stage, for cooperation
     observers: list[EngineObserver] = field(default_factory=list)  # told about steps and request ends
 
@@ -49,7 +51,8 @@ class EngineObserver(Protocol):
     """Optional hooks a stage registers in `EngineContext.observers` at start.
 
     Called on the event loop. `outcome` is one of "completed", "aborted",
-    "deadline", "failed" (an `EngineError`) or "rejected" (refused after admission).
+    "deadline", "failed" (an `EngineError`), "rejected" (refused after admission) or
+    "cached" (answered from the response cache without reaching the model).
     """
 
     def on_step(self, duration_s: float, ok: bool) -> None: ...
@@ -140,3 +143,23 @@ class StaticBackend(ModelBackend, Protocol):
     static: bool
 
     def run_batch(self, requests: Sequence[Request], on_tokens: Callable[..., None]) -> None: ...
+
+
+@runtime_checkable
+class KVPool(Protocol):
+    """The KV block pool (a `memory` stage, e.g. `token_pool`), built by the paged backend with
+    `factory(config, num_blocks=, block_size=, model_key=, kv=)`.
+
+    The batcher reserves blocks with `can_allocate`/`allocate`, admits a request with
+    `match_prefix` (shared cached blocks; False means "wait, its prefix is loading"),
+    reports computed blocks with `commit` and returns everything with `release`.
+    """
+
+    def can_allocate(self, n: int) -> bool: ...
+    def allocate(self, n: int) -> list[int]: ...
+    def free(self, block_ids: Any) -> None: ...
+    def blocks_needed(self, num_tokens: int) -> int: ...
+    def match_prefix(self, request: Request) -> bool: ...
+    def commit(self, request: Request) -> None: ...
+    def release(self, request: Request) -> None: ...
+    def stats(self) -> dict[str, Any]: ...

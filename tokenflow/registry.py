@@ -17,12 +17,17 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from tokenflow.errors import PluginError
-from tokenflow.protocols import Batcher, ModelBackend, RequestStage
+from tokenflow.kv.eviction import EvictionPolicy
+from tokenflow.protocols import Batcher, KVPool, ModelBackend, RequestStage
 
-__all__ = ("BACKENDS", "STAGES", "PluginInfo", "find", "list_plugins", "load_backend", "load_stage")
+__all__ = (
+    "BACKENDS", "POLICIES", "STAGES", "PluginInfo", "find", "list_plugins", "load_backend", "load_policy",
+    "load_pool", "load_stage",
+)
 
 STAGES = "tokenflow.stages"
 BACKENDS = "tokenflow.backends"
+POLICIES = "tokenflow.eviction_policies"
 _BUILTIN_DIST = "tokenflow"
 
 # Which protocol makes which kind, checked in order.
@@ -30,6 +35,8 @@ _KINDS: tuple[tuple[str, type], ...] = (
     ("request", RequestStage),
     ("loop", Batcher),
     ("backend", ModelBackend),
+    ("memory", KVPool),
+    ("policy", EvictionPolicy),
 )
 
 
@@ -63,7 +70,7 @@ def _allow_list() -> set[str] | None:
 def list_plugins(group: str | None = None) -> list[PluginInfo]:
     allowed = _allow_list()
     found: list[PluginInfo] = []
-    for grp in (group,) if group else (STAGES, BACKENDS):
+    for grp in (group,) if group else (STAGES, BACKENDS, POLICIES):
         for ep in sorted(entry_points(group=grp), key=lambda e: e.name):
             origin, builtin = _origin(ep)
             ok = builtin or allowed is None or ep.name in allowed
@@ -110,11 +117,11 @@ def _missing(obj: Any, proto: type) -> list[str]:
     return [n for n in names if not callable(getattr(obj, n, None))]
 
 
-def _build(group: str, name: str, config: Any, expected: tuple[str, ...]) -> Any:
+def _build(group: str, name: str, config: Any, expected: tuple[str, ...], **sizes: Any) -> Any:
     ep = find(group, name)
     factory = _load_factory(ep)
     try:
-        obj = factory(config)
+        obj = factory(config, **sizes)
     except Exception as exc:
         raise PluginError(f"entry point {group}:{name} = {ep.value!r}: factory failed: {exc!r}") from exc
     kind = kind_of(obj)
@@ -136,3 +143,13 @@ def load_stage(name: str, config: Any, *, kinds: tuple[str, ...] = ("request", "
 
 def load_backend(name: str, config: Any) -> Any:
     return _build(BACKENDS, name, config, ("backend",))
+
+
+def load_pool(name: str, config: Any, **sizes: Any) -> Any:
+    """A `memory` stage (the KV block pool): its factory also gets the pool's sizes as keywords."""
+    return _build(STAGES, name, config, ("memory",), **sizes)
+
+
+def load_policy(name: str, config: Any) -> Any:
+    """An eviction policy for the token pool, from the `tokenflow.eviction_policies` group."""
+    return _build(POLICIES, name, config, ("policy",))

@@ -35,6 +35,7 @@ class OutputCollector:
 
     def __init__(self) -> None:
         self._pending: Chunk | None = None
+        self._replay: list[Chunk] = []
         self._error: BaseException | None = None
         self._ready = anyio.Event()
 
@@ -57,9 +58,16 @@ class OutputCollector:
             self._error = error
         self._ready.set()
 
+    def preload(self, chunks: Sequence[Chunk]) -> None:
+        """Queue finished chunks to be handed out one by one (a replayed response)."""
+        self._replay = list(chunks)
+        self._ready.set()
+
     async def get(self) -> Chunk:
         """Next chunk (merged if several arrived); raises the request's error."""
         while True:
+            if self._replay:
+                return self._replay.pop(0)
             if self._pending is not None:
                 chunk, self._pending = self._pending, None
                 return chunk
@@ -90,6 +98,12 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Prefix caching: keys of the full blocks hashed so far, how many of the table's blocks are
+    # registered in the pool, prompt tokens served from cache, blocks loaded ahead and held for it.
+    block_keys: list[Any] = field(default_factory=list)
+    num_committed_blocks: int = 0
+    num_cached_tokens: int = 0
+    pinned_blocks: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_reason: str | None = None

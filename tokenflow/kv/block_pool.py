@@ -5,17 +5,18 @@ indices into it. Every operation is O(1) per block: the free ids sit on a
 stack, and a per-block reference count answers "is this block in use?"
 without scanning.
 
-Reference counts are 0 (free) or 1 (owned by one sequence) today. Prefix
-caching will let several sequences share a full block: it only needs an
-`incref` that bumps `_ref_count[b]` and a third state for blocks that are
-unreferenced but still hold a cached prefix (evictable rather than free).
-`free` already decrements and only returns a block to the free stack when its
-count reaches zero, so that extension does not change the callers.
+The request-level methods (`match_prefix`, `commit`, `release`) are what the
+batcher calls; here they only hand out and take back a request's blocks.
+`TokenPool` (`token_pool.py`) overrides them to share cached prefix blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenflow.request import Request
 
 __all__ = ("BlockPool", "OutOfBlocks")
 
@@ -58,8 +59,14 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks that still hold a cached prefix (evictable); none without prefix caching."""
+        return 0
+
+    @property
     def num_used(self) -> int:
-        return self._num_blocks - len(self._free)
+        """Blocks referenced by at least one request."""
+        return self._num_blocks - len(self._free) - self.num_cached
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
@@ -109,11 +116,42 @@ class BlockPool:
             for b, c in counts.items():
                 if c > ref[b]:
                     raise ValueError(f"double free of KV block {b} (listed {c} times, {ref[b]} references)")
-        free = self._free
         for b in ids:
             ref[b] -= 1
             if ref[b] == 0:
-                free.append(b)
+                self._unreferenced(b)
+
+    def _unreferenced(self, block_id: int) -> None:
+        """`block_id` lost its last reference."""
+        self._free.append(block_id)
+
+    # -- request level: what the batcher calls ------------------------------------
+    def match_prefix(self, request: Request) -> bool:
+        """Give a request about to be admitted the cached blocks of its prefix (none here).
+
+        Returns False when the request should wait (its prefix is being loaded from a lower tier).
+        """
+        return True
+
+    def commit(self, request: Request) -> None:
+        """Note the request's newly computed full blocks (nothing to note without prefix caching)."""
+
+    def release(self, request: Request) -> None:
+        """Drop every reference the request holds (its block table and any pinned blocks)."""
+        if request.block_table:
+            self.free(request.block_table)
+        request.block_table = []
+        if request.pinned_blocks:
+            self.free(request.pinned_blocks)
+            request.pinned_blocks = []
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "kv_blocks_total": self._num_blocks,
+            "kv_blocks_used": self.num_used,
+            "kv_blocks_free": self.num_free,
+            "kv_blocks_cached": self.num_cached,
+        }
 
     def ref_count(self, block_id: int) -> int:
         """References held on `block_id` (0 when free)."""

@@ -2,8 +2,9 @@
 
 The batcher decides the step's chunks and reserves their blocks; this
 backend turns them into the runner's `SeqChunk`s and returns the logits of
-the chunks that sample. The KV pool is sized here, at load, and shared with
-the batcher through `EngineContext.shared["block_pool"]`.
+the chunks that sample. The KV memory is sized here, at load; its bookkeeping
+is the `memory` stage named by `kv_pool` (`token_pool`: prefix caching), shared
+with the batcher and the tiers through `EngineContext.shared["block_pool"]`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 
 import torch
 
+from tokenflow import registry
 from tokenflow.config import EngineConfig
-from tokenflow.kv.block_pool import BlockPool
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.model.paged_runner import PagedModelRunner, SeqChunk
 from tokenflow.protocols import EngineContext, StepPlan
@@ -55,7 +56,7 @@ class PagedBackend:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner: PagedModelRunner | None = None
-        self.pool: BlockPool | None = None
+        self.pool: Any = None
         self.kv_bytes = 0
 
     def load(self, ctx: EngineContext, model: Any) -> None:
@@ -69,11 +70,15 @@ class PagedBackend:
             block_size=self.config.block_size, dtype=dtype, device=device,
         )
         self.kv_bytes = per_block * num_blocks
-        self.pool = BlockPool(num_blocks, self.config.block_size)
+        self.pool = registry.load_pool(
+            self.config.kv_pool, self.config, num_blocks=num_blocks, block_size=self.config.block_size,
+            model_key=ctx.model_key, kv=kv_cache,
+        )
         self.runner = PagedModelRunner(
             model, kv_cache, max_model_len=ctx.max_model_len, self_check=self.config.self_check
         )
         ctx.shared["block_pool"] = self.pool
+        ctx.shared[self.config.kv_pool] = self.pool
         log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
                  self.kv_bytes / 2**20)
 
@@ -92,15 +97,9 @@ class PagedBackend:
         return self.runner.execute(chunks)
 
     def stats(self) -> dict[str, Any]:
-        pool = self.pool
-        if pool is None:
+        if self.pool is None:
             return {}
-        return {
-            "kv_blocks_total": pool.num_blocks,
-            "kv_blocks_used": pool.num_used,
-            "kv_blocks_free": pool.num_free,
-            "kv_cache_bytes": self.kv_bytes,
-        }
+        return {**self.pool.stats(), "kv_cache_bytes": self.kv_bytes}
 
 
 def create(config: EngineConfig) -> PagedBackend:

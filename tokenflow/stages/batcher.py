@@ -12,6 +12,11 @@ yields itself when it is that one: a worse-placed request never evicts a
 better one): its blocks are dropped and it rejoins the queue at its
 (priority, arrival) place, keeping its generated tokens.
 
+With prefix caching, admission first asks the pool for the request's cached
+prefix (`match_prefix`): shared blocks need no compute and no new memory. A
+request whose prefix is still loading from the disk tier waits and the ones
+behind it go first, so the batcher prefers requests whose prefix is resident.
+
 Static batching (the `hf` backend) takes a batch of waiting requests from one
 prompt-length bucket so padding stays small.
 """
@@ -81,8 +86,8 @@ class BucketingBatcher:
         return bool(self.waiting or self.running)
 
     def _release(self, request: Request) -> None:
-        if request.block_table and self.pool is not None:
-            self.pool.free(request.block_table)
+        if self.pool is not None:
+            self.pool.release(request)
         request.block_table = []
 
     # -- step-level scheduling (paged) ------------------------------------
@@ -94,6 +99,7 @@ class BucketingBatcher:
         for request in sorted(self.running, key=_order):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            self.pool.commit(request)  # blocks filled by the last step become shareable
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
@@ -102,19 +108,25 @@ class BucketingBatcher:
             plan.chunks.append(ScheduledChunk(request, num_new))
             scheduled.add(id(request))
             budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[i]
+            if not self.pool.match_prefix(request):
+                i += 1  # its cached prefix is loading from a lower tier: the next ones go first
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             needed = self.pool.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_table)
             if not self.pool.can_allocate(needed):
+                self.pool.release(request)  # hand its shared prefix back until it fits
+                request.num_computed_tokens = 0
                 if not self.running and not plan.chunks:
                     # Nothing will ever free blocks for it: fail it rather than hang.
-                    self.waiting.pop(0)
+                    self.waiting.pop(i)
                     plan.rejected.append((request, InvalidRequest(
                         f"request needs {needed} KV blocks but only {self.pool.num_free} exist", field="prompt")))
                     continue
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             request.block_table.extend(self.pool.allocate(needed))
             request.status = RequestStatus.RUNNING
             self.running.append(request)

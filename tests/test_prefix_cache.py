@@ -1,0 +1,101 @@
+"""Tiered prefix caching end to end on a tiny model: outputs identical with caching off, pool only,
+and pool + disk; hits counted; warm restarts; faults in the disk tier never change outputs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.test_oracle import hf_greedy
+from tokenflow import Engine
+
+BLOCK = 16
+
+
+def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:
+    """Three long shared prefixes, each followed by several different tails, plus one-offs."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(3, 400) for _ in range(n)] for n in (70, 130, 200)]
+    prompts = []
+    for i in range(12):
+        head = heads[i % 3]
+        prompts.append(head + [rng.randrange(3, 400) for _ in range(rng.randint(1, 40))])
+    prompts += [[rng.randrange(3, 400) for _ in range(n)] for n in (50, 96)]
+    prompts.append(list(heads[0][:64]))  # exactly 4 full blocks: the last one is still recomputed
+    return prompts
+
+
+async def run_all(engine: Engine, prompts: list[list[int]], max_tokens: int = 10, stagger_s: float = 0.005):
+    results: dict[int, list[int]] = {}
+
+    async def one(i: int) -> None:
+        await anyio.sleep(stagger_s * i)
+        done = await engine.generate(prompts[i], max_tokens=max_tokens, temperature=0.0)
+        results[i] = done.token_ids
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return [results[i] for i in range(len(prompts))]
+
+
+def settings(**kw):
+    return {"max_num_seqs": 6, "max_batch_tokens": 96, "num_kv_blocks": 64, **kw}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model: Path) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    return [hf_greedy(model, p, 10) for p in shared_prefix_prompts()]
+
+
+async def test_outputs_identical_with_caching_off_pool_and_disk(tiny_model, expected, tmp_path) -> None:
+    prompts = shared_prefix_prompts()
+    async with Engine(tiny_model, **settings(prefix_caching=False)) as engine:
+        assert await run_all(engine, prompts) == expected
+        assert engine.stats()["prefix_cache_hit_tokens"] == 0
+    async with Engine(tiny_model, **settings()) as engine:
+        assert await run_all(engine, prompts) == expected  # cold, concurrent: hits among arrivals
+        assert await run_all(engine, prompts) == expected  # warm
+        stats = engine.stats()
+        assert stats["prefix_cache_hit_tokens"] > 0.5 * stats["prefix_cache_queried_tokens"] / 2
+        assert stats["kv_blocks_used"] == 0
+        assert stats["kv_blocks_used"] + stats["kv_blocks_free"] + stats["kv_blocks_cached"] == 64
+    # A pool too small for the workload: evicted blocks go to disk and come back from there.
+    async with Engine(tiny_model, **settings(num_kv_blocks=40, cache_dir=str(tmp_path / "c"))) as engine:
+        assert await run_all(engine, prompts) == expected
+        assert await run_all(engine, prompts) == expected
+        stats = engine.stats()
+        assert stats["pool_evictions"] > 0 and stats["disk_blocks_written"] > 0
+        assert stats["disk_blocks_loaded"] > 0, stats
+
+
+async def test_hit_skips_prefill_and_reports_cached_tokens(tiny_model) -> None:
+    prompt = list(range(5, 5 + 100))
+    async with Engine(tiny_model, **settings()) as engine:
+        first = await engine.generate(prompt, max_tokens=4, temperature=0.0)
+        second = await engine.generate(prompt, max_tokens=4, temperature=0.0)
+        assert first.token_ids == second.token_ids
+        assert first.usage.cached_tokens == 0
+        assert second.usage.cached_tokens == 96  # 6 full blocks; the 7th is partial
+        salted = await engine.generate(prompt, max_tokens=4, temperature=0.0, cache_salt="tenant-b")
+        assert salted.usage.cached_tokens == 0  # another tenant never shares
+        assert salted.token_ids == first.token_ids
+
+
+async def test_warm_restart_gets_disk_hits(tiny_model, tmp_path) -> None:
+    prompt = list(range(7, 7 + 120))
+    async with Engine(tiny_model, **settings(cache_dir=str(tmp_path))) as engine:
+        first = await engine.generate(prompt, max_tokens=6, temperature=0.0)
+    assert list(tmp_path.rglob("*.val")), "aclose() flushes cached blocks to disk"
+    async with Engine(tiny_model, **settings(cache_dir=str(tmp_path))) as engine:
+        again = await engine.generate(prompt, max_tokens=6, temperature=0.0)
+        stats = engine.stats()
+    assert again.token_ids == first.token_ids
+    assert again.usage.cached_tokens == 112
+    assert stats["disk_blocks_loaded"] == 7

@@ -1,0 +1,252 @@
+"""The `token_pool` stage: the KV block pool with prefix caching.
+
+Every block is in one of three states, and `used + free + cached == total`:
+- used: referenced by at least one request (or pinned for a queued one);
+- cached: unreferenced but holding the K/V of a known prefix (a content key,
+  see `block_hash.py`); the eviction policy orders these;
+- free: unreferenced and holding nothing worth keeping.
+
+When a request is admitted, `match_prefix` walks the keys of its full prompt
+blocks and takes a reference on each resident block whose key, parent and
+tokens all match: its prefill starts after them. As a request's blocks fill,
+`commit` registers them under their keys so later requests can share them;
+when it ends, `release` drops its references and its unshared blocks become
+cached. Allocation takes free blocks first and then evicts cached ones, in
+the policy's order; an eviction listener (the disk tier) may copy a block out
+before it is reused. Everything is O(1) or O(log n) per block: dicts, a free
+stack and the policy's heap, never a scan of the pool.
+
+A lower tier (`lower_tier`, set by the disk tier at start) is asked for the
+blocks after the resident prefix; while it loads them the request waits and
+`match_prefix` says so. Loaded blocks come back through `restore`, pinned for
+the request until it is admitted or ends.
+
+All methods run on the event loop, between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from tokenflow.kv.block_hash import BlockKey, block_keys, prefix_root
+from tokenflow.kv.block_pool import BlockPool, OutOfBlocks
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenflow.kv.eviction import EvictionPolicy
+    from tokenflow.kv.kv_cache import KVCache
+    from tokenflow.request import Request
+
+__all__ = ("TokenPool", "create")
+
+log = logging.getLogger("tokenflow")
+
+EvictListener = Callable[[int, BlockKey], None]
+
+
+class TokenPool(BlockPool):
+    def __init__(
+        self, num_blocks: int, block_size: int, *, policy: EvictionPolicy, prefix_caching: bool = True,
+        model_key: bytes = b"", kv: KVCache | None = None,
+    ) -> None:
+        super().__init__(num_blocks, block_size)
+        self.policy = policy
+        self.prefix_caching = prefix_caching
+        self.model_key = model_key
+        self.kv = kv
+        self.lower_tier: Any = None
+        self.evict_listeners: list[EvictListener] = []
+        self._block_of: dict[bytes, int] = {}  # key hash -> block
+        self._key_of: dict[int, BlockKey] = {}  # block -> its key (cached or used)
+        self._tick = 0
+        self.hit_tokens = 0
+        self.queried_tokens = 0
+        self.num_evictions = 0
+        self.num_restored = 0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.policy)
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free) + len(self.policy)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks: free ones first, then evicted cached ones; all or nothing."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if not self.can_allocate(n):
+            raise OutOfBlocks(n, len(self._free) + len(self.policy))
+        short = n - len(self._free)
+        for _ in range(short):
+            self._free.append(self._evict_one())
+        return super().allocate(n)
+
+    def _evict_one(self) -> int:
+        block = self.policy.evict()
+        key = self._key_of.pop(block)
+        del self._block_of[key.hash]
+        self.num_evictions += 1
+        for listener in self.evict_listeners:
+            try:
+                listener(block, key)  # copies the block out before it is overwritten
+            except Exception:
+                log.exception("a KV eviction listener failed; the block is dropped")
+        return block
+
+    def _unreferenced(self, block_id: int) -> None:
+        if block_id in self._key_of:
+            self.policy.on_evictable(block_id)
+        else:
+            self._free.append(block_id)
+
+    def _reference(self, block_id: int) -> None:
+        if self._ref_count[block_id] == 0:
+            self.policy.on_referenced(block_id)
+        self._ref_count[block_id] += 1
+
+    # -- request level ------------------------------------------------------------
+    def keys(self, request: Request, num_tokens: int | None = None) -> list[BlockKey]:
+        """Keys of the request's full blocks within its first `num_tokens` tokens (hashed once each)."""
+        tokens = request.all_token_ids
+        if num_tokens is not None:
+            tokens = tokens[:num_tokens]
+        if len(request.block_keys) < len(tokens) // self.block_size:
+            root = prefix_root(self.model_key, request.params.cache_salt)
+            block_keys(tokens, self.block_size, root, request.block_keys)
+        return request.block_keys
+
+    def resident_prefix(self, keys: list[BlockKey]) -> list[int]:
+        """Blocks holding the longest resident prefix of `keys` (key, parent and tokens all equal)."""
+        blocks = []
+        for key in keys:
+            block = self._block_of.get(key.hash)
+            if block is None or self._key_of[block] != key:
+                break
+            blocks.append(block)
+        return blocks
+
+    def match_prefix(self, request: Request) -> bool:
+        if not self.prefix_caching or request.block_table:
+            return True
+        if self.lower_tier is not None:
+            self.lower_tier.poll()
+        # The last prompt token is always computed: its logits start the generation.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        keys = self.keys(request, max_blocks * self.block_size)[:max_blocks]
+        hits = self.resident_prefix(keys)
+        if len(hits) < len(keys) and self.lower_tier is not None and self.lower_tier.begin_load(
+            request, keys[len(hits):]
+        ):
+            return False  # the rest of its prefix is on its way from the lower tier
+        for block in hits:
+            self._reference(block)
+        if request.pinned_blocks:
+            self.free(request.pinned_blocks)
+            request.pinned_blocks = []
+        request.block_table = hits
+        request.num_committed_blocks = len(hits)
+        request.num_computed_tokens = len(hits) * self.block_size
+        if request.num_preemptions == 0:
+            # Counted once per request, at its latest try (an admission that found no room is undone).
+            self.queried_tokens += request.num_prompt_tokens - request.extras.get("prefix_queried", 0)
+            self.hit_tokens += request.num_computed_tokens - request.num_cached_tokens
+            request.extras["prefix_queried"] = request.num_prompt_tokens
+            request.num_cached_tokens = request.num_computed_tokens
+        return True
+
+    def commit(self, request: Request) -> None:
+        if not self.prefix_caching:
+            return
+        upto = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        if upto <= request.num_committed_blocks:
+            return
+        keys = self.keys(request, upto * self.block_size)
+        for i in range(request.num_committed_blocks, upto):
+            key, block = keys[i], request.block_table[i]
+            if key.hash not in self._block_of and block not in self._key_of:
+                self._block_of[key.hash] = block
+                self._key_of[block] = key
+            # else: another request computed the same block first; this copy stays private
+        request.num_committed_blocks = upto
+
+    def release(self, request: Request) -> None:
+        self.commit(request)
+        if self.prefix_caching and request.block_table:
+            self._tick += 1
+            for depth, block in enumerate(request.block_table):
+                if block in self._key_of:
+                    self.policy.on_access(block, depth, self._tick)
+        super().release(request)
+        request.num_committed_blocks = 0
+
+    # -- lower tiers ------------------------------------------------------------------
+    def restore(self, key: BlockKey, data: torch.Tensor, request: Request | None) -> bool:
+        """Install a block loaded from a lower tier, pinned for `request` (cached when None).
+
+        False when it cannot be installed (no room, or a different block under its hash).
+        """
+        block = self._block_of.get(key.hash)
+        if block is not None:
+            if self._key_of[block] != key:
+                return False
+            if request is not None:
+                self._reference(block)
+        else:
+            if not self.can_allocate(1) or self.kv is None:
+                return False
+            block = self.allocate(1)[0]
+            self.kv.write_block(block, data)
+            self._block_of[key.hash] = block
+            self._key_of[block] = key
+            self.num_restored += 1
+            if request is None:
+                self._tick += 1
+                self.policy.on_access(block, 0, self._tick)
+                self.free([block])  # unreferenced: cached
+                return True
+        self._tick += 1
+        if request is not None:
+            self.policy.on_access(block, len(request.pinned_blocks), self._tick)
+            request.pinned_blocks.append(block)
+        return True
+
+    def hashed_blocks(self) -> Iterator[tuple[int, BlockKey]]:
+        """Every block that holds a known prefix (cached or in use), for tiers that persist them."""
+        return iter(list(self._key_of.items()))
+
+    def evict_all(self) -> int:
+        """Evict every cached block (listeners see each); returns how many. For benchmarks and tests."""
+        count = 0
+        while len(self.policy):
+            self._free.append(self._evict_one())
+            count += 1
+        return count
+
+    def stats(self) -> dict[str, Any]:
+        stats = super().stats()
+        stats.update({
+            "prefix_caching": self.prefix_caching,
+            "prefix_cache_hit_tokens": self.hit_tokens,
+            "prefix_cache_queried_tokens": self.queried_tokens,
+            "prefix_cache_hit_rate": round(self.hit_tokens / self.queried_tokens, 4) if self.queried_tokens else 0.0,
+            "pool_evictions": self.num_evictions,
+            "pool_restored_blocks": self.num_restored,
+            "eviction_policy": getattr(self.policy, "name", type(self.policy).__name__),
+        })
+        return stats
+
+
+def create(
+    config: Any, *, num_blocks: int, block_size: int, model_key: bytes = b"", kv: KVCache | None = None
+) -> TokenPool:
+    """The stage factory; the paged backend calls it once it knows the pool's size."""
+    from tokenflow import registry
+
+    policy = registry.load_policy(config.eviction_policy, config)
+    return TokenPool(
+        num_blocks, block_size, policy=policy, prefix_caching=config.prefix_caching, model_key=model_key, kv=kv
+    )
