@@ -99,3 +99,17 @@ async def test_warm_restart_gets_disk_hits(tiny_model, tmp_path) -> None:
     assert again.token_ids == first.token_ids
     assert again.usage.cached_tokens == 112
     assert stats["disk_blocks_loaded"] == 7
+
+
+async def test_lfu_lru_keeps_hot_prefixes_that_lru_loses(tiny_model) -> None:
+    """The bench-prefix workload, scaled down: hot system prompts between bursts of one-off documents."""
+    from tokenflow.bench_prefix import hit_rate_workload, run_hit_rate
+
+    workload = hit_rate_workload(400, system_tokens=160, doc_tokens=192, cycles=8)
+    lfu, lru = [
+        await run_hit_rate(str(tiny_model), policy, workload, num_kv_blocks=48, max_batch_tokens=256)
+        for policy in ("lfu_lru", "lru")
+    ]
+    assert lfu["queried_tokens"] == lru["queried_tokens"] > 0
+    assert lfu["hot_hit_rate"] > 0.55 and lru["hot_hit_rate"] < 0.45, (lfu, lru)
+    assert lfu["hit_tokens"] > 1.5 * lru["hit_tokens"]

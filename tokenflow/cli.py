@@ -1,4 +1,4 @@
-"""The `tokenflow` command: generate, chat, plugins, pull, bench."""
+"""The `tokenflow` command: generate, chat, plugins, pull, bench, bench-tokenizer, bench-prefix."""
 
 from __future__ import annotations
 
@@ -191,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenflow.bench_tokenizer import add_arguments as add_tokenizer_arguments
 
     add_tokenizer_arguments(bench_tok)
+
+    bench_prefix = sub.add_parser("bench-prefix", help="prefix cache: eviction hit rates and time to first token")
+    from tokenflow.bench_prefix import add_arguments as add_prefix_arguments
+
+    add_prefix_arguments(bench_prefix)
     return parser
 
 
@@ -213,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             from tokenflow.bench_tokenizer import run_bench_tokenizer
 
             run_bench_tokenizer(args)
+        elif args.command == "bench-prefix":
+            from tokenflow.bench_prefix import run_bench_prefix
+
+            run_bench_prefix(args)
     except TokenflowError as exc:
         print(f"tokenflow: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

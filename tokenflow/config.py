@@ -62,6 +62,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     kv_pool: str = "token_pool"
     prefix_caching: bool = True
     eviction_policy: str = "lfu_lru"
+    eviction_half_life: Annotated[float, msgspec.Meta(gt=0.0)] = 64.0  # lfu_lru: requests after which a use counts half
     cache_dir: str | None = None  # the disk tier's folder (KV blocks and cached responses); off when unset
     disk_cache_bytes: Positive = 4 * 2**30
     disk_retry_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0  # the disk tier stays off this long after an I/O error

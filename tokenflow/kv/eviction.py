@@ -14,11 +14,14 @@ dropped when popped, and the heap is rebuilt when they outnumber live ones
 
 - `lru`: least recently used first; among blocks used by the same request,
   the chain's tail before its head (a head still serves shorter prefixes).
-- `lfu_lru` (default): LFU with dynamic aging (LFU-DA). A block's priority is
-  `age + uses`, where `age` is the priority of the last evicted block: a block
-  that was hot long ago keeps its old priority while the age climbs with every
-  eviction, so it eventually leaves instead of squatting forever. Ties go to
-  recency, then tail before head.
+- `lfu_lru` (default): frequency with aging, in the LRFU family. Each use of a
+  block adds `2^(tick / half_life)` to its score, where the tick counts
+  finished requests, so a use loses half its weight every `half_life`
+  requests. The heap key is `half_life * log2(score)`, in ticks: a block used
+  once sorts as plain LRU would; each doubling of recent uses buys it
+  `half_life` ticks of extra life. A block that was hot long ago decays like
+  any other and leaves instead of squatting forever. Ties (blocks of one
+  request) go tail before head.
 
 Third-party policies register a factory `(config) -> policy` in the entry-point
 group `tokenflow.eviction_policies`.
@@ -27,6 +30,7 @@ group `tokenflow.eviction_policies`.
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ("EvictionPolicy", "LFULRUPolicy", "LRUPolicy", "create_lfu_lru", "create_lru")
@@ -48,7 +52,7 @@ class _HeapPolicy:
     name = "heap"
 
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple[int, ...], int, int]] = []  # (key, version, block)
+        self._heap: list[tuple[tuple[float, ...], int, int]] = []  # (key, version, block)
         self._version: dict[int, int] = {}
         self._candidates: set[int] = set()
         self._tick: dict[int, int] = {}
@@ -57,7 +61,7 @@ class _HeapPolicy:
     def __len__(self) -> int:
         return len(self._candidates)
 
-    def _key(self, block: int) -> tuple[int, ...]:
+    def _key(self, block: int) -> tuple[float, ...]:
         raise NotImplementedError
 
     def on_access(self, block: int, depth: int, tick: int) -> None:
@@ -81,9 +85,8 @@ class _HeapPolicy:
 
     def evict(self) -> int:
         while self._heap:
-            key, version, block = heapq.heappop(self._heap)
+            _, version, block = heapq.heappop(self._heap)
             if block in self._candidates and self._version.get(block) == version:
-                self._evicted(block, key)
                 self.forget(block)
                 return block
         raise LookupError("no evictable block")
@@ -93,9 +96,6 @@ class _HeapPolicy:
         self.on_referenced(block)
         self._tick.pop(block, None)
         self._depth.pop(block, None)
-
-    def _evicted(self, block: int, key: tuple[int, ...]) -> None:
-        pass
 
     def _rebuild(self) -> None:
         self._heap = [(self._key(b), self._version[b], b) for b in self._candidates]
@@ -108,35 +108,36 @@ class _HeapPolicy:
 class LRUPolicy(_HeapPolicy):
     name = "lru"
 
-    def _key(self, block: int) -> tuple[int, ...]:
+    def _key(self, block: int) -> tuple[float, ...]:
         return (self._tick.get(block, 0), -self._depth.get(block, 0))
 
 
 class LFULRUPolicy(_HeapPolicy):
     name = "lfu_lru"
 
-    def __init__(self) -> None:
+    def __init__(self, half_life: float = 64.0) -> None:
         super().__init__()
-        self._age = 0
-        self._priority: dict[int, int] = {}
+        if half_life <= 0:
+            raise ValueError(f"half_life must be positive, got {half_life}")
+        self.half_life = half_life
+        self._score: dict[int, float] = {}
 
     def on_access(self, block: int, depth: int, tick: int) -> None:
         super().on_access(block, depth, tick)
-        # LFU-DA: a use lifts the block to at least the current age, plus one use.
-        self._priority[block] = max(self._priority.get(block, 0), self._age) + 1
+        # score = H * log2(sum over uses of 2^(tick_i / H)), updated without overflow.
+        old = self._score.get(block)
+        if old is None:
+            self._score[block] = float(tick)
+        else:
+            high, low = max(old, tick), min(old, tick)
+            self._score[block] = high + self.half_life * math.log2(1.0 + 2.0 ** ((low - high) / self.half_life))
 
-    def _key(self, block: int) -> tuple[int, ...]:
-        return (self._priority.get(block, self._age), self._tick.get(block, 0), -self._depth.get(block, 0))
-
-    def _evicted(self, block: int, key: tuple[int, ...]) -> None:
-        self._age = max(self._age, key[0])
+    def _key(self, block: int) -> tuple[float, ...]:  # type: ignore[override]
+        return (self._score.get(block, 0.0), self._tick.get(block, 0), -self._depth.get(block, 0))
 
     def forget(self, block: int) -> None:
         super().forget(block)
-        self._priority.pop(block, None)
-
-    def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "eviction_age": self._age}
+        self._score.pop(block, None)
 
 
 def create_lru(config: Any = None) -> LRUPolicy:
@@ -144,4 +145,4 @@ def create_lru(config: Any = None) -> LRUPolicy:
 
 
 def create_lfu_lru(config: Any = None) -> LFULRUPolicy:
-    return LFULRUPolicy()
+    return LFULRUPolicy(getattr(config, "eviction_half_life", 64.0))
