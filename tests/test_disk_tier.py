@@ -110,7 +110,7 @@ async def test_prefetch_in_time_while_queued(tiny_model, expected, tmp_path) -> 
             results[name] = await engine.generate(prompt, max_tokens=max_tokens, temperature=0.0)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run, "busy", OTHERS[0], 8)
+            tg.start_soon(run, "busy", OTHERS[0], 120)  # ~120 steps: far longer than loading 7 small blocks
             await anyio.sleep(0.02)
             tg.start_soon(run, "prompt", PROMPT, 8)
         stats = engine.stats()

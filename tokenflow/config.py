@@ -48,6 +48,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     max_num_seqs: Positive = 32
     max_batch_tokens: Positive = 512
     max_queue: Positive = 4096
+    priority_aging_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = 30.0  # waiting this long = one priority level
+    kv_high_watermark: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.95  # KV use above which prefills wait
+    kv_low_watermark: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.7  # KV use below which the batch regrows
     max_queue_tokens: Positive | None = None
     breaker_error_rate: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
     breaker_step_p95_ms: Annotated[float, msgspec.Meta(gt=0.0)] | None = None

@@ -128,7 +128,7 @@ class DiskStore:
     """A diskcache folder holding KV blocks (`kv:<hash>`) and responses (`resp:<hash>`)."""
 
     def __init__(self, directory: str | Path, size_limit: int, retry_s: float = 30.0) -> None:
-        self.directory = Path(directory)
+        self.directory = Path(directory).expanduser()
         self.size_limit = size_limit
         self.retry_s = retry_s
         self._lock = threading.Lock()

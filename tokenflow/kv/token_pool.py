@@ -138,10 +138,10 @@ class TokenPool(BlockPool):
         max_blocks = (request.num_tokens - 1) // self.block_size
         keys = self.keys(request, max_blocks * self.block_size)[:max_blocks]
         hits = self.resident_prefix(keys)
-        if len(hits) < len(keys) and self.lower_tier is not None and self.lower_tier.begin_load(
-            request, keys[len(hits):]
-        ):
-            return False  # the rest of its prefix is on its way from the lower tier
+        if len(hits) < len(keys) and self.lower_tier is not None:
+            if self.lower_tier.begin_load(request, keys[len(hits):]):
+                return False  # the rest of its prefix is on its way from the lower tier
+            hits = self.resident_prefix(keys)  # installing its load may have evicted or added blocks
         for block in hits:
             self._reference(block)
         if request.pinned_blocks:

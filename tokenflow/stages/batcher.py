@@ -36,13 +36,18 @@ __all__ = ("BucketingBatcher", "create")
 
 
 def _order(request: Request) -> tuple[int, float]:
+    """Rank for preemption: the largest (lowest priority, latest arrival) goes first."""
     return (request.params.priority, request.arrival_time)
 
 
 class BucketingBatcher:
     def __init__(self, config: EngineConfig) -> None:
         self.max_batch_tokens = config.max_batch_tokens
-        self.max_num_seqs = config.max_num_seqs
+        self.max_num_seqs = config.max_num_seqs  # hard limit; lowered for good after a device OOM
+        self.seq_limit = config.max_num_seqs  # adaptive: drops to what fits after a preemption, regrows
+        self.aging_s = config.priority_aging_s
+        self.high_watermark = config.kv_high_watermark
+        self.low_watermark = config.kv_low_watermark
         self.max_queue = config.max_queue
         self.bucket_edges = sorted(config.length_buckets)
         self.waiting: list[Request] = []
@@ -50,11 +55,21 @@ class BucketingBatcher:
         self.pool: Any = None  # BlockPool, when the backend is paged
         self.max_model_len = 0
         self.num_preemptions = 0
+        self.num_paused_admissions = 0
+        self.admission_paused = False
         self.last_schedule_us = 0.0
 
     async def start(self, ctx: EngineContext) -> None:
         self.pool = ctx.shared.get("block_pool")
         self.max_model_len = ctx.max_model_len
+
+    def queue_key(self, request: Request) -> float | tuple[int, float]:
+        """Place in the waiting queue. With aging, one priority level is worth `priority_aging_s`
+        seconds of waiting: a request that waited that much longer passes a better-priority one, so
+        a flood of higher-priority work delays a request by a bounded time, never forever."""
+        if self.aging_s is None:
+            return (request.params.priority, request.arrival_time)
+        return request.params.priority * self.aging_s + request.arrival_time
 
     # -- queue -------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -71,7 +86,7 @@ class BucketingBatcher:
                     field="max_tokens",
                 )
         request.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, request, key=_order)
+        bisect.insort(self.waiting, request, key=self.queue_key)
 
     def finish(self, request: Request) -> None:
         """Forget a finished or aborted request and release its blocks."""
@@ -108,17 +123,29 @@ class BucketingBatcher:
             plan.chunks.append(ScheduledChunk(request, num_new))
             scheduled.add(id(request))
             budget -= num_new
+        pool = self.pool
+        if self.seq_limit < self.max_num_seqs and pool.num_used < self.low_watermark * pool.num_blocks:
+            self.seq_limit += 1  # memory is easy again: let the batch grow back, one sequence per step
+        limit = min(self.max_num_seqs, self.seq_limit)
+        high = self.high_watermark * pool.num_blocks
+        self.admission_paused = False
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while i < len(self.waiting) and budget > 0 and len(self.running) < limit:
             request = self.waiting[i]
-            if not self.pool.match_prefix(request):
+            if not pool.match_prefix(request):
                 i += 1  # its cached prefix is loading from a lower tier: the next ones go first
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            needed = self.pool.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_table)
-            if not self.pool.can_allocate(needed):
-                self.pool.release(request)  # hand its shared prefix back until it fits
+            needed = pool.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_table)
+            # Above the high watermark new prefills wait, so running requests have room to grow.
+            paused = bool(self.running) and pool.num_used + needed > high
+            if paused or not pool.can_allocate(needed):
+                pool.release(request)  # hand its shared prefix back until it fits
                 request.num_computed_tokens = 0
+                if paused:
+                    self.admission_paused = True
+                    self.num_paused_admissions += 1
+                    break
                 if not self.running and not plan.chunks:
                     # Nothing will ever free blocks for it: fail it rather than hang.
                     self.waiting.pop(i)
@@ -166,7 +193,8 @@ class BucketingBatcher:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1
-        bisect.insort(self.waiting, request, key=_order)  # its place by (priority, arrival): near the front
+        bisect.insort(self.waiting, request, key=self.queue_key)  # back in its place: near the front
+        self.seq_limit = max(1, len(self.running))  # as many as fit; regrows below the low watermark
         plan.preempted.append(request)
 
     def shrink(self, plan: StepPlan) -> bool:
@@ -211,7 +239,10 @@ class BucketingBatcher:
             "num_waiting": len(self.waiting),
             "num_running": len(self.running),
             "num_preemptions": self.num_preemptions,
-            "max_num_seqs_effective": self.max_num_seqs,
+            "max_num_seqs_effective": min(self.max_num_seqs, self.seq_limit),
+            "admission_paused": self.admission_paused,
+            "num_paused_admissions": self.num_paused_admissions,
+            "kv_usage": round(self.pool.num_used / self.pool.num_blocks, 4) if self.pool is not None else 0.0,
             "max_batch_tokens_effective": self.max_batch_tokens,
             "schedule_us": round(self.last_schedule_us, 1),
         }
