@@ -1,4 +1,4 @@
-"""The `tokenflow` command: generate, chat, plugins, pull, bench, bench-tokenizer, bench-prefix."""
+"""The `tokenflow` command: generate, chat, plugins, pull, bench, bench-tokenizer, bench-prefix, bench-step."""
 
 from __future__ import annotations
 
@@ -196,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenflow.bench_prefix import add_arguments as add_prefix_arguments
 
     add_prefix_arguments(bench_prefix)
+
+    bench_step = sub.add_parser("bench-step", help="decode step time with and without compile; scheduler time")
+    from tokenflow.bench_step import add_arguments as add_step_arguments
+
+    add_step_arguments(bench_step)
     return parser
 
 
@@ -222,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             from tokenflow.bench_prefix import run_bench_prefix
 
             run_bench_prefix(args)
+        elif args.command == "bench-step":
+            from tokenflow.bench_step import run_bench_step
+
+            run_bench_step(args)
     except TokenflowError as exc:
         print(f"tokenflow: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

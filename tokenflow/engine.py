@@ -102,6 +102,28 @@ class Engine:
         self._chain = _build_chain(stages, self._enqueue)
         self._background = _spawn(self._loop.run)
         self._state = "running"
+        if config.warmup:
+            await self._warm_up()
+
+    async def _warm_up(self) -> None:
+        """Run short requests at each decode batch size the engine will see, so one-time costs
+        (kernel selection, allocator growth, compilation with `compile=True`) are paid now."""
+        import time
+
+        sizes = self._loop.backend.warmup_batch_sizes() if hasattr(self._loop.backend, "warmup_batch_sizes") else [1]
+        started = time.perf_counter()
+        vocab = self.loaded.vocab_size
+        for n, size in enumerate(sizes, 1):
+            log.info("warm-up %d/%d: %d concurrent requests", n, len(sizes), size)
+            async with anyio.create_task_group() as tg:
+                for i in range(size):
+                    prompt = [(37 * i + 11 * j) % (vocab - 10) + 5 for j in range(24)]
+                    tg.start_soon(self._warm_request, prompt)
+        log.info("warm-up done in %.1f s (batch sizes %s)", time.perf_counter() - started, sizes)
+
+    async def _warm_request(self, prompt: list[int]) -> None:
+        await self.generate(prompt, max_tokens=4, temperature=0.0, ignore_eos=True, cache_salt="tokenflow-warmup",
+                            cache_response=False)
 
     async def aclose(self, drain_timeout: float = 30.0) -> None:
         """Stop admission, let running requests finish (up to `drain_timeout` s), abort the rest."""

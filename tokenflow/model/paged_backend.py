@@ -18,6 +18,7 @@ import torch
 from tokenflow import registry
 from tokenflow.config import EngineConfig
 from tokenflow.kv.kv_cache import KVCache
+from tokenflow.model.compiled import compile_mlps, decode_buckets, padded_size
 from tokenflow.model.paged_runner import PagedModelRunner, SeqChunk
 from tokenflow.protocols import EngineContext, StepPlan
 
@@ -58,6 +59,8 @@ class PagedBackend:
         self.runner: PagedModelRunner | None = None
         self.pool: Any = None
         self.kv_bytes = 0
+        self.buckets: list[int] = []  # static decode batch sizes, with `compile`
+        self.scratch_block = -1
 
     def load(self, ctx: EngineContext, model: Any) -> None:
         dtype = next(model.parameters()).dtype
@@ -65,11 +68,13 @@ class PagedBackend:
         per_block = KVCache.bytes_per_block(model.config, self.config.block_size, dtype)
         num_blocks = kv_pool_blocks(self.config, per_block, ctx.max_model_len, device)
         layers, kv_heads, head_dim = KVCache.geometry(model.config)
+        # With `compile`, one extra block past the pool's ids takes the K/V of padding rows.
+        extra = 1 if self.config.compile else 0
         kv_cache = KVCache(
-            num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_blocks=num_blocks,
+            num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_blocks=num_blocks + extra,
             block_size=self.config.block_size, dtype=dtype, device=device,
         )
-        self.kv_bytes = per_block * num_blocks
+        self.kv_bytes = per_block * (num_blocks + extra)
         self.pool = registry.load_pool(
             self.config.kv_pool, self.config, num_blocks=num_blocks, block_size=self.config.block_size,
             model_key=ctx.model_key, kv=kv_cache,
@@ -77,6 +82,10 @@ class PagedBackend:
         self.runner = PagedModelRunner(
             model, kv_cache, max_model_len=ctx.max_model_len, self_check=self.config.self_check
         )
+        if self.config.compile:
+            self.buckets = decode_buckets(self.config.max_num_seqs)
+            self.scratch_block = num_blocks
+            compile_mlps(model, set(self.buckets))
         ctx.shared["block_pool"] = self.pool
         ctx.shared[self.config.kv_pool] = self.pool
         log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
@@ -94,7 +103,14 @@ class PagedBackend:
             else:
                 tokens = r.all_token_ids[start:start + c.num_tokens]
             chunks.append(SeqChunk(tokens, start, r.block_table, c.samples))
+        if self.buckets and plan.num_tokens == len(chunks):  # decode-only: pad to a static batch size
+            pad = padded_size(len(chunks), self.buckets) - len(chunks)
+            chunks.extend(SeqChunk([0], 0, [self.scratch_block], False) for _ in range(pad))
         return self.runner.execute(chunks)
+
+    def warmup_batch_sizes(self) -> list[int]:
+        """Decode batch sizes worth a warm-up: every bucket when compiled, else one and a full batch."""
+        return list(self.buckets) if self.buckets else sorted({1, self.config.max_num_seqs})
 
     def stats(self) -> dict[str, Any]:
         if self.pool is None:
