@@ -95,14 +95,33 @@ class StepPlan:
 
 @runtime_checkable
 class Batcher(Protocol):
-    """The step loop's scheduler.
+    """The step loop's scheduler: the contract a third-party batcher implements.
 
-    Contract: `schedule()` returns the work of the next step under the token
-    and sequence budgets, having reserved KV blocks for every chunk it returns;
-    the step loop then advances `num_computed_tokens` and reports finished or
-    aborted requests with `finish()`, which releases their blocks.
-    `take_batch()` is the static-batch variant for backends that run a whole
-    batch to completion (`hf`).
+    Called only on the event loop, between steps; requests are never mutated
+    while a step runs.
+
+    - `add(request)`: queue a tokenized request, or raise `InvalidRequest`
+      (it can never fit: prompt + `max_tokens` beyond the whole KV pool) or
+      `Overloaded` (queue full). Never blocks.
+    - `schedule() -> StepPlan`: the next step's chunks under `max_batch_tokens`
+      and `max_num_seqs`. For every returned chunk the request's `block_table`
+      covers `num_computed_tokens + chunk.num_tokens` tokens (blocks taken from
+      `EngineContext.shared["block_pool"]`, a `KVPool`). A request it gives up
+      on for good goes to `plan.rejected` with its error (the loop fails it);
+      a request it preempts goes to `plan.preempted` after it has released
+      its blocks and reset `num_computed_tokens` to 0 (its tokens are kept: it
+      recomputes). The loop then advances `num_computed_tokens` of every chunk
+      and appends the sampled token of chunks that reach the end.
+    - `finish(request)`: the request ended (finished, aborted, failed); drop
+      it and release its blocks. Must accept requests in any state, once.
+    - `take_batch()`: the static variant (`hf`): requests to run to completion.
+    - `has_work()`: anything waiting or running; `stats()`: numbers for `Engine.stats()`.
+    - Optional: `shrink(plan) -> bool` (the device ran out of memory on `plan`:
+      make the next step smaller), `start(ctx)`.
+
+    The default (`batcher`, `stages/batcher.py`) never starves a request:
+    queue order is priority with aging, then arrival, and a preemption
+    victim is always the lowest priority, latest arrival.
     """
 
     def add(self, request: Request) -> None: ...

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
+from types import SimpleNamespace
 
 import pytest
 
-from tokenflow.kv.eviction import EvictionPolicy, LFULRUPolicy, LRUPolicy
+from tokenflow.kv.eviction import EvictionPolicy, LFULRUPolicy, LRUPolicy, create_lfu_lru, create_lru
 
 POLICIES = [LRUPolicy, LFULRUPolicy]
 
@@ -121,42 +123,77 @@ def test_lfu_lru_ties_go_to_recency() -> None:
     assert drain(policy) == [2, 3, 1]
 
 
+def test_lfu_lru_score_is_decayed_frequency() -> None:
+    """score = H * log2(sum of 2^(tick / H)) over the uses: one use sorts at its tick, a doubling of
+    the uses at one tick adds H, and a use H ticks older counts half."""
+    policy = LFULRUPolicy(half_life=8.0)
+    policy.on_access(1, 0, 5)
+    assert policy._score[1] == 5.0
+    policy.on_access(2, 0, 5)
+    policy.on_access(2, 0, 5)
+    assert policy._score[2] == pytest.approx(13.0)
+    for _ in range(2):
+        policy.on_access(2, 0, 5)
+    assert policy._score[2] == pytest.approx(21.0)  # 4 uses = two doublings
+    policy.on_access(3, 0, 2)
+    policy.on_access(3, 0, 10)  # 8 ticks apart: the old use weighs half
+    assert policy._score[3] == pytest.approx(10.0 + 8.0 * math.log2(1.5))
+
+
+def test_lfu_lru_score_does_not_overflow() -> None:
+    """Ticks far beyond 2^1024 half-lives: the running score stays finite and exact enough to order blocks."""
+    policy = LFULRUPolicy(half_life=0.5)
+    for tick in (10**6, 10**6 + 3, 10**6 + 3):
+        policy.on_access(1, 0, tick)
+    assert math.isfinite(policy._score[1])
+    # Two uses at the last tick plus one 6 half-lives older: H * log2(2 + 2^-6) above the last tick.
+    assert policy._score[1] == pytest.approx(10**6 + 3 + 0.5 * math.log2(2 + 2**-6), abs=1e-6)
+    make_evictable(policy, 2, 0, 10**6 + 4)
+    policy.on_evictable(1)
+    assert drain(policy) == [1, 2]
+
+
 def test_lfu_lru_aging_evicts_a_block_hot_long_ago() -> None:
-    """LFU-DA: a block used 3 times long ago (priority 3) survives while the age is below 3,
-    then goes once the age has climbed with every eviction and new blocks start above it."""
-    policy = LFULRUPolicy()
-    make_evictable(policy, 100, 0, tick=1, uses=3)
-    assert policy._priority[100] == 3
-    ages, victims, new_priorities = [], [], []
-    tick = 1
-    for new_block in range(3):
-        tick += 1
-        make_evictable(policy, new_block, 0, tick)  # used once, now: priority age + 1
-        new_priorities.append(policy._priority[new_block])
+    """A block used 4 times at tick 1 (half_life 4: two doublings = 8 ticks of extra life, score 9)
+    outlives single-use newcomers while their tick is below 9, then leaves: its uses have decayed."""
+    policy = LFULRUPolicy(half_life=4.0)
+    make_evictable(policy, 100, 0, tick=1, uses=4)
+    assert policy._score[100] == pytest.approx(9.0)
+    victims = []
+    for block, tick in enumerate((2, 4, 6, 8, 10, 12)):
+        make_evictable(policy, block, 0, tick)
         victims.append(policy.evict())
-        ages.append(policy._age)
-    # Rounds 1 and 2: the newcomer (priority 1, then 2) is below the old hot block and leaves.
-    # Round 3: the newcomer's priority reaches 3 == the old block's; the tie goes to recency -> the old block leaves.
-    assert new_priorities == [1, 2, 3]
-    assert victims == [0, 1, 100]
-    assert ages == [1, 2, 3]
-    assert policy.stats()["eviction_age"] == 3
-    assert drain(policy) == [2]
+    # Newcomers at ticks 2..8 rank below the hot block and leave; the one at tick 10 outranks it.
+    assert victims == [0, 1, 2, 3, 100, 4]
+    assert drain(policy) == [5]
+    # Plain LRU would have evicted the hot block at once.
+    lru = LRUPolicy()
+    make_evictable(lru, 100, 0, tick=1, uses=4)
+    make_evictable(lru, 0, 0, tick=2)
+    assert lru.evict() == 100
 
 
-def test_lfu_lru_use_after_aging_starts_from_the_age() -> None:
-    """A block reused after the age climbed gets age + 1, not its old count + 1."""
-    policy = LFULRUPolicy()
-    for block in range(5):
-        make_evictable(policy, block, 0, tick=block + 1)
-    for _ in range(5):
-        policy.evict()
-    assert policy._age == 1
-    make_evictable(policy, 50, 0, tick=10)
-    assert policy._priority[50] == 2
-    policy.on_referenced(50)
-    policy.on_access(50, 0, 11)
-    assert policy._priority[50] == 3
+def test_lfu_lru_reuse_after_a_pause_counts_both_uses() -> None:
+    """A block referenced again after being a candidate keeps its history: one more use lifts it by the old
+    use's decayed weight, so it outlives a block used once at the same tick."""
+    policy = LFULRUPolicy(half_life=4.0)
+    make_evictable(policy, 1, 0, tick=4)
+    policy.on_referenced(1)
+    make_evictable(policy, 1, 0, tick=8)  # uses at 4 and 8: 8 + 4 * log2(1.5)
+    make_evictable(policy, 2, 0, tick=8)
+    make_evictable(policy, 3, 0, tick=10)
+    assert policy._score[1] == pytest.approx(8 + 4 * math.log2(1.5))
+    assert drain(policy) == [2, 3, 1]
+
+
+def test_lfu_lru_half_life_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        LFULRUPolicy(half_life=0.0)
+    with pytest.raises(ValueError):
+        LFULRUPolicy(half_life=-1.0)
+    assert create_lfu_lru(SimpleNamespace(eviction_half_life=3.0)).half_life == 3.0
+    assert create_lfu_lru(None).half_life == 64.0
+    assert isinstance(create_lru(None), LRUPolicy)
 
 
 @pytest.mark.parametrize("cls", POLICIES)
@@ -197,7 +234,7 @@ def test_evict_forgets_the_block(cls: type) -> None:
     assert policy.evict() == 1
     assert 1 not in policy._tick and 1 not in policy._depth
     if isinstance(policy, LFULRUPolicy):
-        assert 1 not in policy._priority
+        assert 1 not in policy._score
     make_evictable(policy, 1, 0, 20)
     make_evictable(policy, 2, 0, 10)
     assert drain(policy) == [2, 1]

@@ -185,6 +185,9 @@ class DiskStore:
         if cache is None:
             return None
         try:
+            if not (self.directory / "cache.db").exists():
+                # Deleted under us: SQLite would keep writing to the unlinked file and lose everything.
+                raise FileNotFoundError(f"{self.directory}/cache.db vanished")
             return fn(cache, *args)
         except _IO_ERRORS as exc:
             self._trip(exc)
