@@ -5,12 +5,15 @@ there are no prefill and decode phases; every step each running request's
 computed tokens catch up towards its known tokens within a token budget
 (`max_batch_tokens`) and a sequence budget (`max_num_seqs`). Running requests
 go first (a decode costs one token, a long prompt continues in chunks), then
-waiting requests are admitted in (priority, arrival) order while budget and
-KV blocks last. When blocks run out, the latest-arrived request of the lowest
+waiting requests are admitted in queue order (`queue_key`: priority with
+aging, then arrival) while budget and KV blocks last, and while KV use stays
+under the high watermark (above it new prefills wait, so running requests
+can grow). When blocks run out, the latest-arrived request of the lowest
 priority is preempted by recomputation (the request asking for blocks
 yields itself when it is that one: a worse-placed request never evicts a
-better one): its blocks are dropped and it rejoins the queue at its
-(priority, arrival) place, keeping its generated tokens.
+better one): its blocks are dropped and it rejoins the queue at its place,
+keeping its generated tokens; the sequence limit drops to what fit and
+grows back one per step once KV use is under the low watermark.
 
 With prefix caching, admission first asks the pool for the request's cached
 prefix (`match_prefix`): shared blocks need no compute and no new memory. A
