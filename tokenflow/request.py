@@ -104,6 +104,7 @@ class Request:
     num_committed_blocks: int = 0
     num_cached_tokens: int = 0
     pinned_blocks: list[int] = field(default_factory=list)
+    num_trimmed_blocks: int = 0  # sliding attention: leading table entries already freed (-1)
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_reason: str | None = None

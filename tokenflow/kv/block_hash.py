@@ -37,15 +37,16 @@ class BlockKey:
         return self.hash.hex()
 
 
-def model_key(model: Any, block_size: int) -> bytes:
+def model_key(model: Any, block_size: int, attention: str = "dense") -> bytes:
     """A fingerprint of everything that shapes a block's K/V: the model's config, dtype, block size,
-    and a sample of every weight tensor (so two checkpoints of one architecture never share keys).
-    Stable across processes, so a disk tier written by one engine serves the next."""
+    the attention policy (a window changes every later layer's K/V), and a sample of every weight
+    tensor (so two checkpoints of one architecture never share keys). Stable across processes, so a
+    disk tier written by one engine serves the next."""
     import torch
 
     h = hashlib.blake2b(digest_size=_DIGEST, person=b"tokenflow-model")
     h.update(model.config.to_json_string(use_diff=False).encode())
-    h.update(f"block_size={block_size}".encode())
+    h.update(f"block_size={block_size};attention={attention}".encode())
     with torch.no_grad():
         for name, param in model.named_parameters():
             sample = param.detach().reshape(-1)[:64].to("cpu", torch.float32).contiguous()

@@ -139,11 +139,27 @@ class BlockPool:
     def release(self, request: Request) -> None:
         """Drop every reference the request holds (its block table and any pinned blocks)."""
         if request.block_table:
-            self.free(request.block_table)
+            self.free([b for b in request.block_table if b >= 0])
         request.block_table = []
+        request.num_trimmed_blocks = 0
         if request.pinned_blocks:
             self.free(request.pinned_blocks)
             request.pinned_blocks = []
+
+    def trim(self, request: Request, keep_from: int, sink_tokens: int) -> int:
+        """Free the request's blocks wholly between its first `sink_tokens` tokens and position
+        `keep_from` (sliding attention never reads them again); their table entries become -1.
+        Returns how many were freed."""
+        table = request.block_table
+        first = max(-(-sink_tokens // self._block_size), request.num_trimmed_blocks)
+        last = min(max(keep_from, 0) // self._block_size, len(table))
+        freed = [table[i] for i in range(first, last) if table[i] >= 0]
+        if freed:
+            self.free(freed)
+            for i in range(first, last):
+                table[i] = -1
+        request.num_trimmed_blocks = max(request.num_trimmed_blocks, last)
+        return len(freed)
 
     def stats(self) -> dict[str, Any]:
         return {

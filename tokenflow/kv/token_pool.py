@@ -167,7 +167,7 @@ class TokenPool(BlockPool):
         keys = self.keys(request, upto * self.block_size)
         for i in range(request.num_committed_blocks, upto):
             key, block = keys[i], request.block_table[i]
-            if key.hash not in self._block_of and block not in self._key_of:
+            if block >= 0 and key.hash not in self._block_of and block not in self._key_of:
                 self._block_of[key.hash] = block
                 self._key_of[block] = key
             # else: another request computed the same block first; this copy stays private

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenflow.kv.kv_cache import KVCache
+from tokenflow.model.sliding import SlidingSegment, sliding_attention
 
 __all__ = (
     "ATTENTION_NAME",
@@ -94,6 +95,8 @@ class PagedAttentionMetadata:
     max_context: int  # longest context in the step (positions seen by its last query + 1)
     decodes: tuple[DecodeGroup, ...]  # packed first, in row order
     prefills: tuple[PrefillSegment, ...]  # packed after the decodes, in row order
+    sliding: tuple[SlidingSegment, ...] = ()  # attention="sliding" chunks past the window, packed last
+    rope_inv_freq: torch.Tensor | None = None  # for re-rotating queries against sink keys
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
 
 
@@ -199,6 +202,11 @@ def paged_attention_forward(
             enable_gqa=group > 1,
         )  # [1, H, t, D]
         pieces.append(out[0].transpose(0, 1))  # [t, H, D]
+
+    for sl in meta.sliding:
+        q = q_rows[sl.q_start : sl.q_end]  # [t, H, D]
+        scale = scaling if scaling is not None else head_dim**-0.5
+        pieces.append(sliding_attention(q, cache, layer, sl, scale, meta.rope_inv_freq))
 
     if len(pieces) == 1:
         return pieces[0].unsqueeze(0), None  # [1, T, H, D]

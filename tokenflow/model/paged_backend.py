@@ -79,8 +79,10 @@ class PagedBackend:
             self.config.kv_pool, self.config, num_blocks=num_blocks, block_size=self.config.block_size,
             model_key=ctx.model_key, kv=kv_cache,
         )
+        sliding = self.config.attention == "sliding"
         self.runner = PagedModelRunner(
-            model, kv_cache, max_model_len=ctx.max_model_len, self_check=self.config.self_check
+            model, kv_cache, max_model_len=ctx.max_model_len, self_check=self.config.self_check,
+            window=self.config.window if sliding else None, sinks=self.config.sink_tokens,
         )
         if self.config.compile:
             self.buckets = decode_buckets(self.config.max_num_seqs)

@@ -33,6 +33,7 @@ from tokenflow.model.attention import (
     UnsupportedAttentionFeature,
     register,
 )
+from tokenflow.model.sliding import SlidingSegment, build_segment
 
 __all__ = ("PagedModelRunner", "SeqChunk", "check_model_supported")
 
@@ -101,6 +102,17 @@ def check_model_supported(model: torch.nn.Module, max_model_len: int | None = No
         raise refuse("attention that does not go through transformers' AttentionInterface")
 
 
+def _rope_inv_freq(model: torch.nn.Module) -> torch.Tensor:
+    """The RoPE frequencies of `model` (to re-rotate queries for sink keys); refuses models without
+    plain RoPE, whose positions sliding attention cannot move."""
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb") and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+            if float(getattr(module, "attention_scaling", 1.0)) != 1.0:
+                raise ModelLoadError("sliding attention needs RoPE without attention scaling")
+            return module.inv_freq.detach().float().clone()
+    raise ModelLoadError(f"{type(model).__name__} has no rotary embedding: sliding attention needs RoPE")
+
+
 @contextlib.contextmanager
 def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
     """Temporarily run `model` with another attention implementation."""
@@ -126,6 +138,8 @@ class PagedModelRunner:
         *,
         max_model_len: int | None = None,
         self_check: bool = True,
+        window: int | None = None,
+        sinks: int = 0,
     ) -> None:
         check_model_supported(model, max_model_len)
         geometry = KVCache.geometry(model.config)
@@ -146,6 +160,10 @@ class PagedModelRunner:
         self.dtype = kv_cache.dtype
         self.device = kv_cache.device
         self.num_layers = kv_cache.num_layers
+        # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
+        self.window = window
+        self.sinks = sinks
+        self.rope_inv_freq = _rope_inv_freq(model) if window is not None else None
         # Decodes whose contexts differ by at most this many tokens share one padded gather + SDPA;
         # farther apart, the padding would cost more than another (small) attention call.
         self.decode_group_slack = DECODE_GROUP_SLACK
@@ -193,6 +211,7 @@ class PagedModelRunner:
         bs = self.block_size
         decodes: list[int] = []
         prefills: list[int] = []
+        sliding: list[int] = []
         for i, c in enumerate(chunks):
             n = len(c.token_ids)
             if n == 0:
@@ -203,7 +222,10 @@ class PagedModelRunner:
                 raise ValueError(
                     f"chunk {i}: {len(c.block_table)} blocks of {bs} cannot hold {c.start_pos + n} tokens"
                 )
-            (decodes if n == 1 else prefills).append(i)
+            if self.window is not None and c.start_pos + n > self.window:
+                sliding.append(i)
+            else:
+                (decodes if n == 1 else prefills).append(i)
 
         ids: list[int] = []
         pos: list[int] = []
@@ -255,6 +277,21 @@ class PagedModelRunner:
             last_row[i] = row - 1
             max_context = max(max_context, e)
 
+        # Sliding-window chunks (context past the window): packed last, one segment each.
+        windowed: list[SlidingSegment] = []
+        for i in sliding:
+            c = chunks[i]
+            s, t = c.start_pos, len(c.token_ids)
+            ids.extend(c.token_ids)
+            pos.extend(range(s, s + t))
+            table = c.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(s, s + t))
+            assert self.window is not None
+            windowed.append(build_segment(row, s, t, table, bs, self.window, self.sinks, self.device))
+            row += t
+            last_row[i] = row - 1
+            max_context = max(max_context, min(s + t, self.window + self.sinks))
+
         keep = [last_row[i] for i, c in enumerate(chunks) if c.sample]
         meta = PagedAttentionMetadata(
             kv_cache=kv_cache,
@@ -263,6 +300,8 @@ class PagedModelRunner:
             max_context=max_context,
             decodes=tuple(groups),
             prefills=tuple(segments),
+            sliding=tuple(windowed),
+            rope_inv_freq=self.rope_inv_freq,
         )
         return PackedStep(
             input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),

@@ -49,6 +49,8 @@ class BucketingBatcher:
         self.max_num_seqs = config.max_num_seqs  # hard limit; lowered for good after a device OOM
         self.seq_limit = config.max_num_seqs  # adaptive: drops to what fits after a preemption, regrows
         self.aging_s = config.priority_aging_s
+        self.window = config.window if config.attention == "sliding" else None
+        self.sink_tokens = config.sink_tokens
         self.high_watermark = config.kv_high_watermark
         self.low_watermark = config.kv_low_watermark
         self.max_queue = config.max_queue
@@ -82,6 +84,9 @@ class BucketingBatcher:
             # A request that could never fit would be preempted forever: refuse it now.
             longest = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
             needed = self.pool.blocks_needed(longest)
+            if self.window is not None:  # sliding: sinks + window + one step's chunk, however long it runs
+                held = self.pool.blocks_needed(self.sink_tokens) + self.pool.blocks_needed(self.window) + 1
+                needed = min(needed, held + self.pool.blocks_needed(self.max_batch_tokens))
             if needed > self.pool.num_blocks:
                 raise InvalidRequest(
                     f"prompt + max_tokens need {needed} KV blocks but the whole pool has "
@@ -118,6 +123,8 @@ class BucketingBatcher:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             self.pool.commit(request)  # blocks filled by the last step become shareable
+            if self.window is not None:  # sliding attention: blocks behind the window are never read again
+                self.pool.trim(request, request.num_computed_tokens - self.window + 1, self.sink_tokens)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
