@@ -1,4 +1,4 @@
-"""The `tokenflow` command: generate, chat, plugins, pull, bench, bench-tokenizer, bench-prefix, bench-step."""
+"""The `tokenflow` command: generate, chat, plugins, pull, and the benchmarks (bench, bench-*)."""
 
 from __future__ import annotations
 
@@ -201,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenflow.bench_step import add_arguments as add_step_arguments
 
     add_step_arguments(bench_step)
+
+    bench_attention = sub.add_parser("bench-attention", help="attention policies: perplexity, step time, KV memory")
+    from tokenflow.bench_attention import add_arguments as add_attention_arguments
+
+    add_attention_arguments(bench_attention)
     return parser
 
 
@@ -231,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             from tokenflow.bench_step import run_bench_step
 
             run_bench_step(args)
+        elif args.command == "bench-attention":
+            from tokenflow.bench_attention import run_bench_attention
+
+            run_bench_attention(args)
     except TokenflowError as exc:
         print(f"tokenflow: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -74,12 +74,40 @@ def build_segment(
 
 def rotate_back(q: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """RoPE-rotate queries `q [t, H, D]` by `-delta[t]` positions (HF's rotate-half layout)."""
+    return _rotate(q, -delta, inv_freq)
+
+
+def _rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """RoPE-rotate `x [t, H, D]` by `delta[t]` positions."""
     freqs = delta[:, None] * inv_freq[None, :].to(delta.device)  # [t, D/2]
     angle = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [t, 1, D]
-    cos, sin = angle.cos().to(q.dtype), angle.sin().to(q.dtype)
-    half = q.shape[-1] // 2
-    rotated_half = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
-    return q * cos - rotated_half * sin
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated_half * sin
+
+
+def _one_query(
+    q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, seg: SlidingSegment, scaling: float,
+    inv_freq: torch.Tensor | None,
+) -> torch.Tensor:
+    """A decode: with one query the sink keys can be rotated forward instead (same scores), so it is one
+    SDPA call over the gathered keys, as fast as a dense decode of the window's length."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_blocks.shape[2]
+    k = k_blocks.reshape(-1, kv_heads, head_dim)  # [n, KVH, D]
+    v = v_blocks.reshape(-1, kv_heads, head_dim)
+    if seg.delta is not None and seg.num_sink_slots:
+        if inv_freq is None:
+            raise RuntimeError("sliding attention past the window needs the model's RoPE frequencies")
+        s = seg.num_sink_slots
+        k = torch.cat((_rotate(k[:s], seg.delta.expand(s), inv_freq), k[s:]))
+    group = num_heads // kv_heads
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[0].reshape(kv_heads, group, head_dim),  # the G heads sharing a KV head as G query rows
+        k.transpose(0, 1), v.transpose(0, 1), attn_mask=seg.mask, scale=scaling,
+    )  # [KVH, G, D]
+    return out.reshape(1, num_heads, head_dim)
 
 
 def sliding_attention(
@@ -89,6 +117,8 @@ def sliding_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     k_blocks, v_blocks = cache.gather(layer, seg.block_ids)
     kv_heads = k_blocks.shape[2]
+    if q.shape[0] == 1:
+        return _one_query(q, k_blocks, v_blocks, seg, scaling, inv_freq)
     k = k_blocks.reshape(-1, kv_heads, head_dim).repeat_interleave(num_heads // kv_heads, dim=1)  # [n, H, D]
     v = v_blocks.reshape(-1, kv_heads, head_dim).repeat_interleave(num_heads // kv_heads, dim=1)
     scores = torch.einsum("thd,nhd->htn", q, k) * scaling  # [H, t, n]
