@@ -1,9 +1,12 @@
 """`tokenflow bench-attention`: what the attention policies cost and save.
 
 * Perplexity of a long real English text (default: the GPL-3 text from
-  /usr/share/common-licenses, ~8k tokens) under dense and sliding attention
-  (W = 512 and 1,024 with 4 sink tokens): the text is fed in chunks through
-  the paged runner, as the engine prefills, and every position is scored.
+  /usr/share/common-licenses, ~8k tokens) under dense, sliding (W = 512 and
+  1,024 with 4 sink tokens) and top-k (budgets 256, 512, 1,024 tokens)
+  attention, through the paged runner: every position scored while the text
+  is fed in 512-token chunks, as the engine prefills (top-k acts on decodes
+  only, so it is dense there), and the last 512 tokens scored one decode
+  step each after prefilling the rest.
 * Decode step time against context length (1k, 2k, 4k, 8k tokens) for each
   policy, one sequence and a batch of 8 (the KV contents do not change the
   time, so contexts are filled with blocks as they are, not prefilled).
@@ -29,16 +32,25 @@ import torch
 
 __all__ = ("add_arguments", "perplexity", "run_bench_attention")
 
-POLICIES = (("dense", None), ("sliding W=512", 512), ("sliding W=1024", 1024))
+POLICIES: tuple[tuple[str, dict[str, int]], ...] = (
+    ("dense", {}),
+    ("sliding W=512", {"window": 512}),
+    ("sliding W=1024", {"window": 1024}),
+    ("topk 256", {"topk_budget": 256}),
+    ("topk 512", {"topk_budget": 512}),
+    ("topk 1024", {"topk_budget": 1024}),
+)
 
 
-def _runner(model: Any, window: int | None, num_blocks: int, sinks: int = 4) -> Any:
+def _runner(model: Any, policy: dict[str, int], num_blocks: int, sinks: int = 4) -> Any:
     from tokenflow.kv.kv_cache import KVCache
     from tokenflow.model.paged_runner import PagedModelRunner
 
     param = next(model.parameters())
-    kv = KVCache.for_model(model.config, num_blocks=num_blocks, block_size=16, dtype=param.dtype, device=param.device)
-    return PagedModelRunner(model, kv, window=window, sinks=sinks, self_check=False)
+    layers, kv_heads, head_dim = KVCache.geometry(model.config)
+    kv = KVCache(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_blocks=num_blocks, block_size=16,
+                 dtype=param.dtype, device=param.device, track_key_bounds="topk_budget" in policy)
+    return PagedModelRunner(model, kv, sinks=sinks, self_check=False, **policy)
 
 
 def perplexity(runner: Any, token_ids: list[int], chunk: int = 512) -> float:
@@ -58,6 +70,22 @@ def perplexity(runner: Any, token_ids: list[int], chunk: int = 512) -> float:
         nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         count += len(targets)
     return math.exp(nll / count)
+
+
+def decode_perplexity(runner: Any, token_ids: list[int], scored: int = 512, chunk: int = 512) -> float:
+    """Perplexity of the last `scored` tokens, each predicted by a decode step (where top-k acts), after
+    prefilling the rest in `chunk`-token steps."""
+    from tokenflow.model.paged_runner import SeqChunk
+
+    table = list(range(-(-len(token_ids) // runner.block_size)))
+    split = len(token_ids) - scored
+    for start in range(0, split, chunk):
+        runner.execute([SeqChunk(token_ids[start:min(start + chunk, split)], start, table, True)])
+    nll = 0.0
+    for pos in range(split - 1, len(token_ids) - 1):  # the prefill's last token is recomputed as a decode
+        logits = runner.execute([SeqChunk([token_ids[pos]], pos, table, True)])
+        nll -= torch.log_softmax(logits[0], -1)[token_ids[pos + 1]].item()
+    return math.exp(nll / scored)
 
 
 def decode_step_ms(runner: Any, context: int, batch: int, repeats: int = 5) -> float:
@@ -116,15 +144,19 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenizer(Path(args.text).read_text(), add_special_tokens=False)["input_ids"][: args.max_text_tokens]
     results: dict[str, Any] = {"text": args.text, "text_tokens": len(ids), "perplexity": [], "decode_ms": []}
-    for name, window in POLICIES:
+    for name, policy in POLICIES:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        runner = _runner(model, window, num_blocks=8 * (8192 // 16 + 2))
-        results["perplexity"].append({"policy": name, "perplexity": round(perplexity(runner, ids), 3)})
+        runner = _runner(model, policy, num_blocks=8 * (8192 // 16 + 2))
+        row: dict[str, Any] = {"policy": name}
+        if "topk_budget" not in policy:  # prefill-scored: top-k only acts on decodes, so it equals dense there
+            row["prefill_scored"] = round(perplexity(runner, ids), 3)
+        row["decode_scored_last_512"] = round(decode_perplexity(runner, ids), 3)
+        results["perplexity"].append(row)
         for batch in (1, 8):
-            row = {"policy": name, "batch": batch}
+            step = {"policy": name, "batch": batch}
             for context in (1024, 2048, 4096, 8000):
-                row[str(context)] = decode_step_ms(runner, context, batch)
-            results["decode_ms"].append(row)
+                step[str(context)] = decode_step_ms(runner, context, batch)
+            results["decode_ms"].append(step)
     results["kv_blocks"] = anyio.run(kv_blocks_by_length, [512, 1024, 2048, 4096, 8192, 9000])
     return results
 
@@ -139,7 +171,8 @@ def _print(rows: list[dict[str, Any]]) -> None:
 
 def run_bench_attention(args: argparse.Namespace) -> dict[str, Any]:
     results = _run(args)
-    print(f"perplexity of {results['text']} ({results['text_tokens']} tokens), fed 512 tokens a step")
+    print(f"perplexity of {results['text']} ({results['text_tokens']} tokens): every position scored while fed "
+          "512 tokens a step, and the last 512 tokens scored one decode step each")
     _print(results["perplexity"])
     print("\ndecode step ms by context length (tokens)")
     _print(results["decode_ms"])

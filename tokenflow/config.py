@@ -78,9 +78,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     tokenizer_cache_size: Annotated[int, msgspec.Meta(ge=0)] = 1024
     num_threads: Positive | None = None
     self_check: bool = True
-    attention: Literal["dense", "sliding"] = "dense"
+    attention: Literal["dense", "sliding", "topk"] = "dense"
     window: Positive = 1024  # sliding: recent tokens each query sees
-    sink_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4  # sliding: first tokens every query also sees
+    sink_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4  # sliding / topk: first tokens every query also sees
+    topk_budget: Positive = 1024  # topk: tokens (whole blocks) each decode query attends to
     warmup: bool = False  # run short requests at start (each decode batch size) so the first user request is fast
     compile: bool = False  # torch.compile the decoder layers' MLPs on padded, static decode batch sizes
     debug_leaks: bool = False  # an idle engine holding KV blocks dies (EngineError) instead of only logging

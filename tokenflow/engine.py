@@ -78,7 +78,10 @@ class Engine:
         resolved = await anyio.to_thread.run_sync(resolve_model, config.model)
         self.model_name = resolved.name
         loaded = await anyio.to_thread.run_sync(load_model, resolved.path, config)
-        policy = "dense" if config.attention == "dense" else f"sliding:{config.window}:{config.sink_tokens}"
+        policy = {
+            "dense": "dense", "sliding": f"sliding:{config.window}:{config.sink_tokens}",
+            "topk": f"topk:{config.topk_budget}:{config.sink_tokens}",
+        }[config.attention]
         fingerprint = await anyio.to_thread.run_sync(model_key, loaded.model, config.block_size, policy)
         ctx = EngineContext(
             config, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size, fingerprint

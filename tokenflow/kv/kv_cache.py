@@ -35,6 +35,7 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        track_key_bounds: bool = False,
     ) -> None:
         for name, v in (
             ("num_layers", num_layers),
@@ -65,6 +66,15 @@ class KVCache:
         # costs more in page faults than the copy itself on CPU.
         self._gather_k = torch.empty(0, dtype=dtype, device=dev)
         self._gather_v = torch.empty(0, dtype=dtype, device=dev)
+        # attention="topk": per layer, block and KV head, the elementwise min / max of the block's keys.
+        self.track_key_bounds = track_key_bounds
+        bounds = (num_blocks, num_kv_heads, head_dim)
+        self.k_min: list[torch.Tensor] = (
+            [torch.full(bounds, float("inf"), dtype=dtype, device=dev) for _ in range(num_layers)]
+            if track_key_bounds else [])
+        self.k_max: list[torch.Tensor] = (
+            [torch.full(bounds, float("-inf"), dtype=dtype, device=dev) for _ in range(num_layers)]
+            if track_key_bounds else [])
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `block_ids` in `layer`, each `[len(block_ids), block_size, kv_heads, head_dim]`.
@@ -140,6 +150,9 @@ class KVCache:
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
             k[block_id].copy_(data[layer, 0])
             v[block_id].copy_(data[layer, 1])
+            if self.track_key_bounds:
+                self.k_min[layer][block_id] = k[block_id].amin(0)
+                self.k_max[layer][block_id] = k[block_id].amax(0)
 
     def __repr__(self) -> str:
         return (

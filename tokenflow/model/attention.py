@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.model.sliding import SlidingSegment, sliding_attention
+from tokenflow.model.topk import TopkDecode, topk_attention, update_key_bounds
 
 __all__ = (
     "ATTENTION_NAME",
@@ -97,6 +98,7 @@ class PagedAttentionMetadata:
     prefills: tuple[PrefillSegment, ...]  # packed after the decodes, in row order
     sliding: tuple[SlidingSegment, ...] = ()  # attention="sliding" chunks past the window, packed last
     rope_inv_freq: torch.Tensor | None = None  # for re-rotating queries against sink keys
+    topk: tuple[TopkDecode, ...] = ()  # attention="topk" decodes past the budget, packed last
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
 
 
@@ -165,6 +167,8 @@ def paged_attention_forward(
     v_new = value[0].transpose(0, 1)  # [T, KVH, D]
     cache.k_slots[layer].index_copy_(0, meta.slot_mapping, k_new)
     cache.v_slots[layer].index_copy_(0, meta.slot_mapping, v_new)
+    if cache.track_key_bounds:
+        update_key_bounds(cache, layer, meta.slot_mapping, k_new)
 
     q_rows = query[0].transpose(0, 1)  # [T, H, D]
     pieces: list[torch.Tensor] = []  # each [rows, H, D], in packed order
@@ -207,6 +211,10 @@ def paged_attention_forward(
         q = q_rows[sl.q_start : sl.q_end]  # [t, H, D]
         scale = scaling if scaling is not None else head_dim**-0.5
         pieces.append(sliding_attention(q, cache, layer, sl, scale, meta.rope_inv_freq))
+
+    for sparse in meta.topk:
+        scale = scaling if scaling is not None else head_dim**-0.5
+        pieces.append(topk_attention(q_rows[sparse.row], cache, layer, sparse, scale).unsqueeze(0))
 
     if len(pieces) == 1:
         return pieces[0].unsqueeze(0), None  # [1, T, H, D]

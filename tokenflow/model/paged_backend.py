@@ -73,6 +73,7 @@ class PagedBackend:
         kv_cache = KVCache(
             num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_blocks=num_blocks + extra,
             block_size=self.config.block_size, dtype=dtype, device=device,
+            track_key_bounds=self.config.attention == "topk",
         )
         self.kv_bytes = per_block * (num_blocks + extra)
         self.pool = registry.load_pool(
@@ -83,6 +84,7 @@ class PagedBackend:
         self.runner = PagedModelRunner(
             model, kv_cache, max_model_len=ctx.max_model_len, self_check=self.config.self_check,
             window=self.config.window if sliding else None, sinks=self.config.sink_tokens,
+            topk_budget=self.config.topk_budget if self.config.attention == "topk" else None,
         )
         if self.config.compile:
             self.buckets = decode_buckets(self.config.max_num_seqs)

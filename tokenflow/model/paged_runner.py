@@ -34,6 +34,7 @@ from tokenflow.model.attention import (
     register,
 )
 from tokenflow.model.sliding import SlidingSegment, build_segment
+from tokenflow.model.topk import RECENT_BLOCKS, TopkDecode
 
 __all__ = ("PagedModelRunner", "SeqChunk", "check_model_supported")
 
@@ -140,6 +141,7 @@ class PagedModelRunner:
         self_check: bool = True,
         window: int | None = None,
         sinks: int = 0,
+        topk_budget: int | None = None,
     ) -> None:
         check_model_supported(model, max_model_len)
         geometry = KVCache.geometry(model.config)
@@ -164,6 +166,10 @@ class PagedModelRunner:
         self.window = window
         self.sinks = sinks
         self.rope_inv_freq = _rope_inv_freq(model) if window is not None else None
+        # attention="topk": decodes whose context exceeds the budget read only their best blocks.
+        self.topk_budget = topk_budget
+        if topk_budget is not None and not kv_cache.track_key_bounds:
+            raise ModelLoadError("attention='topk' needs a KV cache that tracks per-block key bounds")
         # Decodes whose contexts differ by at most this many tokens share one padded gather + SDPA;
         # farther apart, the padding would cost more than another (small) attention call.
         self.decode_group_slack = DECODE_GROUP_SLACK
@@ -212,6 +218,7 @@ class PagedModelRunner:
         decodes: list[int] = []
         prefills: list[int] = []
         sliding: list[int] = []
+        sparse: list[int] = []
         for i, c in enumerate(chunks):
             n = len(c.token_ids)
             if n == 0:
@@ -224,6 +231,8 @@ class PagedModelRunner:
                 )
             if self.window is not None and c.start_pos + n > self.window:
                 sliding.append(i)
+            elif self.topk_budget is not None and n == 1 and c.start_pos + 1 > self.topk_budget:
+                sparse.append(i)
             else:
                 (decodes if n == 1 else prefills).append(i)
 
@@ -292,6 +301,25 @@ class PagedModelRunner:
             last_row[i] = row - 1
             max_context = max(max_context, min(s + t, self.window + self.sinks))
 
+        # Top-k decodes (context past the budget): one row each, packed last.
+        topk: list[TopkDecode] = []
+        for i in sparse:
+            c = chunks[i]
+            p = c.start_pos
+            ids.append(c.token_ids[0])
+            pos.append(p)
+            slots.append(c.block_table[p // bs] * bs + p % bs)
+            used = -(-(p + 1) // bs)
+            assert self.topk_budget is not None
+            topk.append(TopkDecode(
+                row=row, block_ids=torch.tensor(c.block_table[:used], dtype=torch.long, device=self.device),
+                context=p + 1, keep_blocks=max(self.topk_budget // bs, RECENT_BLOCKS + 1),
+                sink_blocks=-(-self.sinks // bs),
+            ))
+            last_row[i] = row
+            row += 1
+            max_context = max(max_context, p + 1)
+
         keep = [last_row[i] for i, c in enumerate(chunks) if c.sample]
         meta = PagedAttentionMetadata(
             kv_cache=kv_cache,
@@ -302,6 +330,7 @@ class PagedModelRunner:
             prefills=tuple(segments),
             sliding=tuple(windowed),
             rope_inv_freq=self.rope_inv_freq,
+            topk=tuple(topk),
         )
         return PackedStep(
             input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
