@@ -116,6 +116,15 @@ async def _chat(args: argparse.Namespace) -> None:
             history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from tokenflow.integrations.openai_app import create_app
+
+    app = create_app(config_file=args.config, **_engine_settings(args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
 def _plugins(args: argparse.Namespace) -> None:
     from tokenflow import registry
 
@@ -179,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("plugins", help="list the stages and backends the registry finds")
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (uvicorn) around one engine")
+    _engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+
     pull = sub.add_parser("pull", help="fetch and convert a model into the cache (default: the embedded one)")
     pull.add_argument("model", nargs="?", default=None)
 
@@ -216,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             anyio.run(_generate, args)
         elif args.command == "chat":
             anyio.run(_chat, args)
+        elif args.command == "serve":
+            _serve(args)
         elif args.command == "plugins":
             _plugins(args)
         elif args.command == "pull":

@@ -171,6 +171,13 @@ class Engine:
     ) -> AsyncIterator[Chunk]:
         return self._results(self._new_request(params, kwargs, messages=messages))
 
+    def add_observer(self, observer: Any) -> None:
+        """Tell `observer` about every step (`on_step(duration_s, ok)`) and request end
+        (`on_request_end(request, outcome)`), e.g. for metrics. Call after `start()`."""
+        if self._loop is None:
+            raise EngineClosed("add_observer() needs a started engine")
+        self.ctx.observers.append(observer)
+
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"state": self._state, "model": self.model_name}
         if self._loop is not None:

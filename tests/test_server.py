@@ -1,0 +1,184 @@
+"""The OpenAI-compatible app under uvicorn on 127.0.0.1, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenflow.integrations.openai_app import create_app
+
+
+class Server:
+    """uvicorn in a background thread (its own event loop owns the engine)."""
+
+    def __init__(self, model: Any, **settings: Any) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.app = create_app(str(model), **settings)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("the server did not become healthy")
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def stats(self) -> dict[str, Any]:
+        return self.app.state.engine.stats()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model) -> Iterator[Server]:
+    with Server(tiny_model, max_num_seqs=8) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_health_and_models(server: Server, client: openai.OpenAI) -> None:
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    done = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 7 and done.usage.prompt_tokens > 0
+    assert isinstance(done.choices[0].message.content, str) and done.choices[0].message.role == "assistant"
+
+
+def test_completion_and_max_tokens(client: openai.OpenAI) -> None:
+    done = client.completions.create(model="tiny-llama", prompt="the engine", max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 5
+
+
+def test_streaming_equals_non_streaming_and_ends_with_usage(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(model="tiny-llama", messages=[{"role": "user", "content": "tell me"}],
+                                  max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    events = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+    assert text == whole
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] == "length"
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == 12
+    streamed = list(client.completions.create(model="tiny-llama", prompt="abc", max_tokens=4, stream=True,
+                                              temperature=0, extra_body={"ignore_eos": True}))
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    base = client.completions.create(model="tiny-llama", prompt="river", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[3:5]
+    assert stop, base
+    cut = client.completions.create(model="tiny-llama", prompt="river", max_tokens=20, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == base[: base.index(stop)]
+
+
+def test_seed_reproducibility(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        return client.completions.create(model="tiny-llama", prompt="music", max_tokens=16, temperature=1.0,
+                                         seed=seed, extra_body={"ignore_eos": True}).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in range(4)}) > 1
+
+
+def test_bad_parameters_are_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=5, temperature=-1)
+    assert info.value.status_code == 400 and info.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=5, n=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-llama", messages=[], max_tokens=5)
+
+
+def test_overloaded_is_429_with_retry_after(tiny_model) -> None:
+    with Server(tiny_model, max_num_seqs=1, max_queue=1) as small:
+        client = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0)
+
+        def call(i: int) -> Any:
+            try:
+                return client.completions.create(model="tiny-llama", prompt=f"q{i}", max_tokens=64, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+            except openai.RateLimitError as exc:
+                return exc
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(call, range(8)))
+        limited = [r for r in results if isinstance(r, openai.RateLimitError)]
+        assert limited and len(limited) < 8
+        assert int(limited[0].response.headers["Retry-After"]) >= 1
+        assert limited[0].body["type"] == "rate_limit_error"
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server: Server) -> None:
+    aborted = server.stats()["num_aborted"]
+    body = {"model": "tiny-llama", "prompt": "a long story", "max_tokens": 2000, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert server.stats()["num_running"] == 1
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and server.stats()["num_aborted"] == aborted:
+        time.sleep(0.001)
+    steps_at_abort = server.stats()["num_steps"]
+    while time.monotonic() < deadline and server.stats()["kv_blocks_used"]:
+        time.sleep(0.001)
+    stats = server.stats()
+    assert stats["num_aborted"] == aborted + 1
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+    assert stats["num_steps"] - steps_at_abort <= 2  # released at the next step boundary
+
+
+def test_metrics_parse(server: Server, client: openai.OpenAI) -> None:
+    client.completions.create(model="tiny-llama", prompt="count me", max_tokens=3, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("tokenflow_requests", "tokenflow_requests_waiting", "tokenflow_requests_running",
+                 "tokenflow_kv_blocks_used", "tokenflow_kv_blocks_cached", "tokenflow_kv_blocks_free",
+                 "tokenflow_prefix_cache_hit_rate", "tokenflow_generation_tokens_per_second",
+                 "tokenflow_time_to_first_token_seconds", "tokenflow_request_latency_seconds",
+                 "tokenflow_breaker_state"):
+        assert name in families, name
+    completed = [s for s in families["tokenflow_requests"].samples
+                 if s.name == "tokenflow_requests_total" and s.labels["outcome"] == "completed"]
+    assert completed and completed[0].value >= 1
+    latency = [s for s in families["tokenflow_request_latency_seconds"].samples if s.name.endswith("_count")]
+    assert latency[0].value >= 1
+    closed = [s for s in families["tokenflow_breaker_state"].samples if s.labels["state"] == "closed"]
+    assert closed[0].value == 1.0
