@@ -182,3 +182,30 @@ def test_metrics_parse(server: Server, client: openai.OpenAI) -> None:
     assert latency[0].value >= 1
     closed = [s for s in families["tokenflow_breaker_state"].samples if s.labels["state"] == "closed"]
     assert closed[0].value == 1.0
+
+
+def test_tokenflow_serve_command(tiny_model) -> None:
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tokenflow", "serve", "--model", str(tiny_model), "--port",
+                             str(port), "--set", "max_num_seqs=4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        done = client.completions.create(model="tiny-llama", prompt="hi", max_tokens=3, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

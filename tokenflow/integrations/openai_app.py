@@ -39,7 +39,7 @@ from tokenflow.errors import DeadlineExceeded, EngineClosed, EngineError, Invali
 from tokenflow.integrations.metrics import EngineMetrics
 from tokenflow.params import Chunk, Completion
 
-__all__ = ("create_app", "engine_lifespan")
+__all__ = ("create_app", "engine_lifespan", "openai_routes")
 
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "ignore_eos", "priority", "cache_salt", "min_tokens")
@@ -66,15 +66,21 @@ def engine_lifespan(model: str | None = None, *, engine: Engine | None = None, *
     return lifespan
 
 
-def create_app(model: str | None = None, *, engine: Engine | None = None, **settings: Any) -> Starlette:
-    routes = [
+def openai_routes() -> list[Route]:
+    """The routes, for an app that has its own (e.g. `fastapi_app.router.routes.extend(openai_routes())`,
+    with `lifespan=engine_lifespan(...)`)."""
+    return [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=engine_lifespan(model, engine=engine, **settings))
+
+
+def create_app(model: str | None = None, *, engine: Engine | None = None, **settings: Any) -> Starlette:
+    """A Starlette app with only the OpenAI routes, owning an Engine of `model` (or serving `engine`)."""
+    return Starlette(routes=openai_routes(), lifespan=engine_lifespan(model, engine=engine, **settings))
 
 
 # -- routes ------------------------------------------------------------------------------
