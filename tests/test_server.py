@@ -209,3 +209,17 @@ def test_tokenflow_serve_command(tiny_model) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == max(t.logprob for t in c.top_logprobs) for c in content)  # greedy: the top token
+    done = client.completions.create(model="tiny-llama", prompt="x", max_tokens=3, temperature=0, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert "".join(lp.tokens) == done.choices[0].text

@@ -140,7 +140,9 @@ async def _serve(request: Request, chat: bool) -> Response:
     except TokenflowError as exc:
         return _error(exc)
     request.app.state.metrics.latency.observe(time.perf_counter() - started)
-    return JSONResponse(_completion_body(done, rid, engine.model_name, chat, kwargs.get("logprobs") is not None))
+    body_out = _completion_body(done, rid, engine.model_name, chat, kwargs.get("logprobs") is not None,
+                                engine.loaded.tokenizer)
+    return JSONResponse(body_out)
 
 
 async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk | None, rid: str, chat: bool,
@@ -201,20 +203,34 @@ def _usage(usage: Any) -> dict[str, Any]:
             "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def _completion_body(done: Completion, rid: str, model: str, chat: bool, with_logprobs: bool) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason}
-    logprobs = None
+def _completion_body(
+    done: Completion, rid: str, model: str, chat: bool, with_logprobs: bool, tokenizer: Any
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
     if with_logprobs and done.logprobs is not None:
-        logprobs = {"content": [
-            {"token": str(lp.token_id), "logprob": _finite(lp.logprob),
-             "top_logprobs": [{"token": str(t), "logprob": _finite(v)} for t, v in lp.top.items()]}
-            for lp in done.logprobs]}
+        def text(token_id: int) -> str:
+            return tokenizer.decode([token_id])
+
+        if chat:
+            choice["logprobs"] = {"content": [
+                {"token": text(lp.token_id), "logprob": _finite(lp.logprob), "bytes": None,
+                 "top_logprobs": [{"token": text(t), "logprob": _finite(v), "bytes": None} for t, v in lp.top.items()]}
+                for lp in done.logprobs]}
+        else:
+            offsets, at = [], 0
+            for lp in done.logprobs:
+                offsets.append(at)
+                at += len(text(lp.token_id))
+            choice["logprobs"] = {
+                "tokens": [text(lp.token_id) for lp in done.logprobs],
+                "token_logprobs": [_finite(lp.logprob) for lp in done.logprobs],
+                "top_logprobs": [{text(t): _finite(v) for t, v in lp.top.items()} for lp in done.logprobs],
+                "text_offset": offsets,
+            }
     if chat:
         choice["message"] = {"role": "assistant", "content": done.text}
-        choice["logprobs"] = logprobs
     else:
         choice["text"] = done.text
-        choice["logprobs"] = logprobs
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice], "usage": _usage(done.usage)}
 
