@@ -1,4 +1,4 @@
-"""The `tokenflow` command: generate, chat, plugins, pull, and the benchmarks (bench, bench-*)."""
+"""The `tokenflow` command: generate, chat, serve, plugins, pull, and the benchmarks (bench, bench-*)."""
 
 from __future__ import annotations
 
