@@ -6,12 +6,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import anyio
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.test_oracle import hf_greedy
+from tests.test_oracle import hf_greedy, run_concurrently
 from tokenflow import Engine
 
 BLOCK = 16
@@ -30,18 +29,8 @@ def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-async def run_all(engine: Engine, prompts: list[list[int]], max_tokens: int = 10, stagger_s: float = 0.005):
-    results: dict[int, list[int]] = {}
-
-    async def one(i: int) -> None:
-        await anyio.sleep(stagger_s * i)
-        done = await engine.generate(prompts[i], max_tokens=max_tokens, temperature=0.0)
-        results[i] = done.token_ids
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(one, i)
-    return [results[i] for i in range(len(prompts))]
+async def run_all(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    return await run_concurrently(engine, prompts, max_tokens=10, stagger_s=0.005)
 
 
 def settings(**kw):

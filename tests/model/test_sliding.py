@@ -6,12 +6,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import anyio
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.test_oracle import hf_greedy
+from tests.test_oracle import hf_greedy, run_concurrently
 from tokenflow import Engine
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.model.sliding import build_segment, sliding_attention
@@ -62,17 +61,9 @@ def test_sliding_attention_is_streaming_llm(start: int, num_tokens: int) -> None
 
 
 async def _generate_all(engine: Engine, prompts: list[list[int]], max_tokens: int, concurrent: bool):
-    if not concurrent:
-        return [(await engine.generate(p, max_tokens=max_tokens, temperature=0.0)).token_ids for p in prompts]
-    outs: dict[int, list[int]] = {}
-
-    async def one(i: int) -> None:
-        outs[i] = (await engine.generate(prompts[i], max_tokens=max_tokens, temperature=0.0)).token_ids
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(one, i)
-    return [outs[i] for i in range(len(prompts))]
+    if concurrent:
+        return await run_concurrently(engine, prompts, max_tokens)
+    return [(await engine.generate(p, max_tokens=max_tokens, temperature=0.0)).token_ids for p in prompts]
 
 
 async def test_window_at_least_the_context_gives_exactly_dense(tiny_model) -> None:
