@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -168,6 +169,20 @@ def _pull(args: argparse.Namespace) -> None:
     print(f"{resolved.name}: {resolved.path}")
 
 
+# command -> (module with `add_arguments(parser)`, its run function, help)
+_BENCHES = {
+    "bench": ("tokenflow.bench", "run_bench", "throughput / latency benchmark against transformers"),
+    "bench-tokenizer": ("tokenflow.bench_tokenizer", "run_bench_tokenizer",
+                        "the tokenizer stage against encoding on the event loop"),
+    "bench-prefix": ("tokenflow.bench_prefix", "run_bench_prefix",
+                     "prefix cache: eviction hit rates and time to first token"),
+    "bench-step": ("tokenflow.bench_step", "run_bench_step",
+                   "decode step time with and without compile; scheduler time"),
+    "bench-attention": ("tokenflow.bench_attention", "run_bench_attention",
+                        "attention policies: perplexity, step time, KV memory"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,30 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="fetch and convert a model into the cache (default: the embedded one)")
     pull.add_argument("model", nargs="?", default=None)
 
-    bench = sub.add_parser("bench", help="throughput / latency benchmark against transformers")
-    from tokenflow.bench import add_arguments
-
-    add_arguments(bench)
-
-    bench_tok = sub.add_parser("bench-tokenizer", help="the tokenizer stage against encoding on the event loop")
-    from tokenflow.bench_tokenizer import add_arguments as add_tokenizer_arguments
-
-    add_tokenizer_arguments(bench_tok)
-
-    bench_prefix = sub.add_parser("bench-prefix", help="prefix cache: eviction hit rates and time to first token")
-    from tokenflow.bench_prefix import add_arguments as add_prefix_arguments
-
-    add_prefix_arguments(bench_prefix)
-
-    bench_step = sub.add_parser("bench-step", help="decode step time with and without compile; scheduler time")
-    from tokenflow.bench_step import add_arguments as add_step_arguments
-
-    add_step_arguments(bench_step)
-
-    bench_attention = sub.add_parser("bench-attention", help="attention policies: perplexity, step time, KV memory")
-    from tokenflow.bench_attention import add_arguments as add_attention_arguments
-
-    add_attention_arguments(bench_attention)
+    for name, (module, _run, help_text) in _BENCHES.items():
+        importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_text))
     return parser
 
 
@@ -236,26 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             _plugins(args)
         elif args.command == "pull":
             _pull(args)
-        elif args.command == "bench":
-            from tokenflow.bench import run_bench
-
-            run_bench(args)
-        elif args.command == "bench-tokenizer":
-            from tokenflow.bench_tokenizer import run_bench_tokenizer
-
-            run_bench_tokenizer(args)
-        elif args.command == "bench-prefix":
-            from tokenflow.bench_prefix import run_bench_prefix
-
-            run_bench_prefix(args)
-        elif args.command == "bench-step":
-            from tokenflow.bench_step import run_bench_step
-
-            run_bench_step(args)
-        elif args.command == "bench-attention":
-            from tokenflow.bench_attention import run_bench_attention
-
-            run_bench_attention(args)
+        elif args.command in _BENCHES:
+            module, run, _help = _BENCHES[args.command]
+            getattr(importlib.import_module(module), run)(args)
     except TokenflowError as exc:
         print(f"tokenflow: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

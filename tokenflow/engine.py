@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -112,8 +113,6 @@ class Engine:
     async def _warm_up(self) -> None:
         """Run short requests at each decode batch size the engine will see, so one-time costs
         (kernel selection, allocator growth, compilation with `compile=True`) are paid now."""
-        import time
-
         sizes = self._loop.backend.warmup_batch_sizes() if hasattr(self._loop.backend, "warmup_batch_sizes") else [1]
         started = time.perf_counter()
         vocab = self.loaded.vocab_size

@@ -86,8 +86,8 @@ def create_app(model: str | None = None, *, engine: Engine | None = None, **sett
 # -- routes ------------------------------------------------------------------------------
 async def health(request: Request) -> Response:
     engine: Engine | None = getattr(request.app.state, "engine", None)
-    state = engine.stats().get("state") if engine is not None else "starting"
-    dead = engine is not None and engine.stats().get("dead", False)
+    stats = engine.stats() if engine is not None else {"state": "starting"}
+    state, dead = stats.get("state"), stats.get("dead", False)
     ok = state == "running" and not dead
     return JSONResponse({"status": "ok" if ok else (state if not dead else "dead")}, status_code=200 if ok else 503)
 

@@ -29,6 +29,7 @@ group `tokenflow.eviction_policies`.
 
 from __future__ import annotations
 
+import abc
 import heapq
 import math
 from typing import Any, Protocol, runtime_checkable
@@ -46,7 +47,7 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
 
-class _HeapPolicy:
+class _HeapPolicy(abc.ABC):
     """Candidates ordered by `_key(block)`, smallest evicted first."""
 
     name = "heap"
@@ -61,8 +62,9 @@ class _HeapPolicy:
     def __len__(self) -> int:
         return len(self._candidates)
 
+    @abc.abstractmethod
     def _key(self, block: int) -> tuple[float, ...]:
-        raise NotImplementedError
+        """The block's eviction order (smallest first), from what on_access recorded."""
 
     def on_access(self, block: int, depth: int, tick: int) -> None:
         self._tick[block] = tick

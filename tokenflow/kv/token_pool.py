@@ -111,13 +111,17 @@ class TokenPool(BlockPool):
     # -- request level ------------------------------------------------------------
     def keys(self, request: Request, num_tokens: int | None = None) -> list[BlockKey]:
         """Keys of the request's full blocks within its first `num_tokens` tokens (hashed once each)."""
-        tokens = request.all_token_ids
-        if num_tokens is not None:
-            tokens = tokens[:num_tokens]
-        if len(request.block_keys) < len(tokens) // self.block_size:
+        limit = request.num_tokens if num_tokens is None else min(num_tokens, request.num_tokens)
+        if len(request.block_keys) < limit // self.block_size:  # only then build the token list
             root = prefix_root(self.model_key, request.params.cache_salt)
-            block_keys(tokens, self.block_size, root, request.block_keys)
+            block_keys(request.all_token_ids[:limit], self.block_size, root, request.block_keys)
         return request.block_keys
+
+    def prefix_keys(self, request: Request) -> list[BlockKey]:
+        """Keys of the blocks a prefix hit may cover: full prompt blocks short of the last token, which
+        is always computed (its logits start the generation)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.keys(request, max_blocks * self.block_size)[:max_blocks]
 
     def resident_prefix(self, keys: list[BlockKey]) -> list[int]:
         """Blocks holding the longest resident prefix of `keys` (key, parent and tokens all equal)."""
@@ -134,9 +138,7 @@ class TokenPool(BlockPool):
             return True
         if self.lower_tier is not None:
             self.lower_tier.poll()
-        # The last prompt token is always computed: its logits start the generation.
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        keys = self.keys(request, max_blocks * self.block_size)[:max_blocks]
+        keys = self.prefix_keys(request)
         hits = self.resident_prefix(keys)
         if len(hits) < len(keys) and self.lower_tier is not None:
             if self.lower_tier.begin_load(request, keys[len(hits):]):

@@ -207,13 +207,10 @@ def paged_attention_forward(
         )  # [1, H, t, D]
         pieces.append(out[0].transpose(0, 1))  # [t, H, D]
 
+    scale = scaling if scaling is not None else head_dim**-0.5
     for sl in meta.sliding:
-        q = q_rows[sl.q_start : sl.q_end]  # [t, H, D]
-        scale = scaling if scaling is not None else head_dim**-0.5
-        pieces.append(sliding_attention(q, cache, layer, sl, scale, meta.rope_inv_freq))
-
+        pieces.append(sliding_attention(q_rows[sl.q_start : sl.q_end], cache, layer, sl, scale, meta.rope_inv_freq))
     for sparse in meta.topk:
-        scale = scaling if scaling is not None else head_dim**-0.5
         pieces.append(topk_attention(q_rows[sparse.row], cache, layer, sparse, scale).unsqueeze(0))
 
     if len(pieces) == 1:

@@ -51,12 +51,10 @@ def build_segment(
     end = start + num_tokens
     sink_blocks = -(-sinks // block_size)
     first = max(start - window + 1, 0) // block_size  # the first query's window starts in this block
-    window_blocks = range(max(first, sink_blocks), -(-end // block_size))
-    ids = block_table[: min(sink_blocks, len(block_table))] + [block_table[b] for b in window_blocks]
-    key_pos = torch.cat([
-        torch.arange(0, min(sink_blocks, len(block_table)) * block_size, device=device),
-        *(torch.arange(b * block_size, (b + 1) * block_size, device=device) for b in window_blocks),
-    ])
+    gathered = [*range(min(sink_blocks, len(block_table))), *range(max(first, sink_blocks), -(-end // block_size))]
+    ids = [block_table[b] for b in gathered]
+    offsets = torch.arange(block_size, device=device)
+    key_pos = (torch.tensor(gathered, device=device)[:, None] * block_size + offsets).reshape(-1)
     q_pos = torch.arange(start, end, device=device)
     seen = (key_pos[None, :] <= q_pos[:, None]) & (
         (key_pos[None, :] < sinks) | (key_pos[None, :] > q_pos[:, None] - window)

@@ -110,8 +110,7 @@ class BucketingBatcher:
 
     def _release(self, request: Request) -> None:
         if self.pool is not None:
-            self.pool.release(request)
-        request.block_table = []
+            self.pool.release(request)  # empties its block table
 
     # -- step-level scheduling (paged) ------------------------------------
     def schedule(self) -> StepPlan:

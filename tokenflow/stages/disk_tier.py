@@ -195,10 +195,8 @@ class DiskTier:
             self._start(request, keys, prefetch=True)
 
     def _missing_prefix(self, request: Request) -> list[BlockKey]:
-        pool = self.pool
-        max_blocks = (request.num_tokens - 1) // pool.block_size
-        keys = pool.keys(request, max_blocks * pool.block_size)[:max_blocks]
-        return keys[len(pool.resident_prefix(keys)):]
+        keys = self.pool.prefix_keys(request)
+        return keys[len(self.pool.resident_prefix(keys)):]
 
     def begin_load(self, request: Request, keys: list[BlockKey]) -> bool:
         """The pool asks for `keys` (past its resident prefix). True: wait, they are loading."""
