@@ -3,7 +3,8 @@
 # On a machine without an NVIDIA GPU it installs the CPU build of torch 2.13
 # (set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI's
 # default torch wheel would be the multi-GB CUDA build); with a GPU, plain
-# `torch` from PyPI.
+# `torch` from PyPI. The Redis tier's tests need `redis-server`: installed from
+# the system packages (apt) when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -14,7 +15,12 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
     "${PIP[@]}" "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
-"${PIP[@]}" -e ".[dev]" -e plugins/tokenflow-redact
+"${PIP[@]}" -e ".[dev]" -e plugins/tokenflow-redact -e plugins/tokenflow-redis
+if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+    $SUDO apt-get install -y -qq redis-server >/dev/null 2>&1 \
+        || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null; }
+fi
 .venv/bin/python - <<'PY'
 import torch
 kind = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"

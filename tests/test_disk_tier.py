@@ -119,7 +119,7 @@ async def test_prefetch_in_time_while_queued(tiny_model, expected, tmp_path) -> 
         stats = engine.stats()
     assert results["prompt"].token_ids == expected["prompt"]
     assert results["prompt"].usage.cached_tokens == 112
-    assert (stats["prefetch_jobs"], stats["prefetch_in_time"], stats["prefetch_late"]) == (1, 1, 0)
+    assert (stats["disk_prefetch_jobs"], stats["disk_prefetch_in_time"], stats["disk_prefetch_late"]) == (1, 1, 0)
 
 
 async def test_without_prefetcher_the_batcher_loads_on_admission(tiny_model, expected, tmp_path) -> None:
@@ -129,7 +129,7 @@ async def test_without_prefetcher_the_batcher_loads_on_admission(tiny_model, exp
         done = await engine.generate(PROMPT, max_tokens=8, temperature=0.0)
         stats = engine.stats()
     assert done.token_ids == expected["prompt"]
-    assert (stats["prefetch_jobs"], stats["disk_load_jobs"], stats["disk_blocks_loaded"]) == (0, 1, 7)
+    assert (stats["disk_prefetch_jobs"], stats["disk_load_jobs"], stats["disk_blocks_loaded"]) == (0, 1, 7)
 
 
 # -- the response cache ---------------------------------------------------------------

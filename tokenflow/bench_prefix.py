@@ -121,8 +121,8 @@ async def run_ttft(model: str, prefix_tokens: int, vocab: int, **settings: Any) 
             ttft, cached = await _queued_ttft(engine, prompt, busy, 16)
             stats = engine.stats()
             row("disk hit, prefetch, queued", ttft, cached,
-                note=f"behind a 16-token request; prefetch in time {stats['prefetch_in_time']}, "
-                     f"late {stats['prefetch_late']}")
+                note=f"behind a 16-token request; prefetch in time {stats['disk_prefetch_in_time']}, "
+                     f"late {stats['disk_prefetch_late']}")
     return rows
 
 

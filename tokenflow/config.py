@@ -84,6 +84,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     topk_budget: Positive = 1024  # topk: tokens (whole blocks) each decode query attends to
     warmup: bool = False  # run short requests at start (each decode batch size) so the first user request is fast
     compile: bool = False  # torch.compile the decoder layers' MLPs on padded, static decode batch sizes
+    plugin_settings: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)  # by stage name, for plugins
     debug_leaks: bool = False  # an idle engine holding KV blocks dies (EngineError) instead of only logging
 
     def __post_init__(self) -> None:
@@ -142,7 +143,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def _read_environ(environ: Mapping[str, str]) -> dict[str, Any]:
-    """`TOKENFLOW_MAX_NUM_SEQS=8` -> {"max_num_seqs": "8"}; JSON for lists (`["a","b"]`) or commas."""
+    """`TOKENFLOW_MAX_NUM_SEQS=8` -> {"max_num_seqs": "8"}; JSON for lists (`["a","b"]`) or commas,
+    JSON for tables (`TOKENFLOW_PLUGIN_SETTINGS='{"redis_tier": {"urls": [...]}}'`)."""
     known = set(EngineConfig.__struct_fields__)
     values: dict[str, Any] = {}
     for key, raw in environ.items():
@@ -157,6 +159,8 @@ def _read_environ(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def _parse_env_value(name: str, raw: str) -> Any:
     field_type = EngineConfig.__annotations__.get(name, "")
+    if "dict[" in str(field_type):
+        return json.loads(raw)
     if "list[" in str(field_type):
         if raw.strip().startswith("["):
             return json.loads(raw)

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from tokenflow.kv.response_cache import RECORD
 from tokenflow.params import Chunk, TokenLogprob, Usage
 from tokenflow.request import Request
 from tokenflow.text.detokenizer import IncrementalDetokenizer
@@ -106,7 +107,7 @@ class OutputProcessor:
             chunk.finish_reason = finish  # type: ignore[assignment]
             chunk.stop_reason = request.stop_reason
             chunk.usage = usage_of(request)
-        record = request.extras.get("response_record")
+        record = request.extras.get(RECORD)
         if record is not None:  # the response cache keeps its own copy (the collector merges chunks in place)
             record.append(msgspec.structs.replace(chunk, token_ids=list(chunk.token_ids)))
         request.collector.put(chunk)

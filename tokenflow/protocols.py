@@ -172,6 +172,13 @@ class KVPool(Protocol):
     The batcher reserves blocks with `can_allocate`/`allocate`, admits a request with
     `match_prefix` (shared cached blocks; False means "wait, its prefix is loading"),
     reports computed blocks with `commit` and returns everything with `release`.
+
+    Tiers below the pool (the disk tier, a plugin's shared remote tier) build on
+    `tokenflow.kv.tier.BlockTier` and use the `token_pool`'s public hooks:
+    `lower_tiers` (asked in order for a prefix past the resident blocks),
+    `evict_listeners` and `commit_listeners` (`(block, key)`, on the event loop),
+    `kv.read_block` / `kv.write_block`, `restore(key, data, request)`,
+    `prefix_keys(request)`, `resident_prefix(keys)`, `hashed_blocks()`.
     """
 
     def can_allocate(self, n: int) -> bool: ...

@@ -20,13 +20,17 @@ import cachetools
 import msgspec
 
 from tokenflow.params import Chunk
-from tokenflow.request import Request
+from tokenflow.request import Request, RequestStatus
 
-__all__ = ("ResponseCache", "StoredResponse", "response_key")
+__all__ = (
+    "RECORD", "ResponseCache", "StoredResponse", "decode_response", "recorded_response", "replay", "response_key",
+    "start_recording", "wants_cached_response",
+)
 
 log = logging.getLogger("tokenflow")
 
 _NOT_IN_KEY = frozenset({"priority", "timeout", "deadline", "cache_response"})
+RECORD = "response_record"  # request.extras: the chunks emitted so far (output.py appends), for response caches
 
 
 class StoredResponse(msgspec.Struct):
@@ -52,6 +56,48 @@ def response_key(model_key: bytes, request: Request) -> str | None:
     return hashlib.blake2b(encoded, digest_size=20).hexdigest()
 
 
+def wants_cached_response(request: Request, default: bool) -> bool:
+    """The request's `cache_response`, else the engine's `response_cache` setting."""
+    wanted = request.params.cache_response
+    return default if wanted is None else wanted
+
+
+def start_recording(request: Request) -> None:
+    """Keep a copy of every chunk the request emits, for `recorded_response` when it completes."""
+    request.extras.setdefault(RECORD, [])
+
+
+def recorded_response(request: Request) -> StoredResponse | None:
+    """The completed request as a stored response; None unless it was recorded and ended normally."""
+    chunks = request.extras.get(RECORD)
+    if not chunks or request.finish_reason not in ("stop", "length"):
+        return None
+    return StoredResponse(request.prompt_token_ids, chunks)
+
+
+def decode_response(raw: bytes) -> StoredResponse | None:
+    """A stored response's JSON, checked: None (logged) when it does not decode or is incomplete."""
+    try:
+        stored = msgspec.json.decode(raw, type=StoredResponse)
+    except msgspec.DecodeError as exc:
+        log.warning("response cache: dropping an undecodable entry: %s", exc)
+        return None
+    if not stored.chunks or stored.chunks[-1].finish_reason is None:
+        return None
+    return stored
+
+
+def replay(request: Request, stored: StoredResponse, observers: list[Any]) -> None:
+    """Finish `request` with a stored response: its chunks are streamed as they were; no model step."""
+    request.prompt_token_ids = stored.prompt_token_ids
+    request.output_token_ids = [t for c in stored.chunks for t in c.token_ids]
+    request.finish_reason = stored.chunks[-1].finish_reason
+    request.status = RequestStatus.FINISHED
+    request.collector.preload(stored.chunks)
+    for observer in observers:
+        observer.on_request_end(request, "cached")
+
+
 class ResponseCache:
     """Memory (TTL) in front of an optional disk store with `get_response` / `put_response`."""
 
@@ -71,21 +117,15 @@ class ResponseCache:
 
     def decode_disk(self, key: str, raw: bytes | None) -> StoredResponse | None:
         """A disk entry, checked by decoding it; promoted to memory."""
-        if raw is None:
-            return None
-        try:
-            stored = msgspec.json.decode(raw, type=StoredResponse)
-        except msgspec.DecodeError as exc:
-            log.warning("response cache: dropping undecodable disk entry %s: %s", key, exc)
-            return None
-        if not stored.chunks or stored.chunks[-1].finish_reason is None:
+        stored = None if raw is None else decode_response(raw)
+        if stored is None:
             return None
         self.disk_hits += 1
         self.memory[key] = raw
         return stored
 
-    def encode(self, key: str, request: Request, chunks: list[Chunk]) -> bytes:
-        raw = msgspec.json.encode(StoredResponse(request.prompt_token_ids, chunks))
+    def encode(self, key: str, stored: StoredResponse) -> bytes:
+        raw = msgspec.json.encode(stored)
         self.memory[key] = raw
         self.stores += 1
         return raw

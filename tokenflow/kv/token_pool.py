@@ -16,10 +16,12 @@ the policy's order; an eviction listener (the disk tier) may copy a block out
 before it is reused. Everything is O(1) or O(log n) per block: dicts, a free
 stack and the policy's heap, never a scan of the pool.
 
-A lower tier (`lower_tier`, set by the disk tier at start) is asked for the
-blocks after the resident prefix; while it loads them the request waits and
-`match_prefix` says so. Loaded blocks come back through `restore`, pinned for
-the request until it is admitted or ends.
+Lower tiers (`lower_tiers`, `kv/tier.py`: the disk tier, plugins' remote
+tiers) are asked in order for the blocks after the resident prefix; while
+one loads them the request waits and `match_prefix` says so. Loaded blocks
+come back through `restore`, pinned for the request until it is admitted or
+ends. Tiers may also listen to evictions (`evict_listeners`: copy a block out
+before it is reused) and to blocks as they fill (`commit_listeners`).
 
 All methods run on the event loop, between steps.
 """
@@ -44,7 +46,7 @@ __all__ = ("TokenPool", "create")
 
 log = logging.getLogger("tokenflow")
 
-EvictListener = Callable[[int, BlockKey], None]
+BlockListener = Callable[[int, BlockKey], None]
 
 
 class TokenPool(BlockPool):
@@ -57,8 +59,9 @@ class TokenPool(BlockPool):
         self.prefix_caching = prefix_caching
         self.model_key = model_key
         self.kv = kv
-        self.lower_tier: Any = None
-        self.evict_listeners: list[EvictListener] = []
+        self.lower_tiers: list[Any] = []
+        self.evict_listeners: list[BlockListener] = []
+        self.commit_listeners: list[BlockListener] = []
         self._block_of: dict[bytes, int] = {}  # key hash -> block
         self._key_of: dict[int, BlockKey] = {}  # block -> its key (cached or used)
         self._tick = 0
@@ -90,11 +93,7 @@ class TokenPool(BlockPool):
         key = self._key_of.pop(block)
         del self._block_of[key.hash]
         self.num_evictions += 1
-        for listener in self.evict_listeners:
-            try:
-                listener(block, key)  # copies the block out before it is overwritten
-            except Exception:
-                log.exception("a KV eviction listener failed; the block is dropped")
+        _notify(self.evict_listeners, block, key)  # tiers copy the block out before it is overwritten
         return block
 
     def _unreferenced(self, block_id: int) -> None:
@@ -136,13 +135,15 @@ class TokenPool(BlockPool):
     def match_prefix(self, request: Request) -> bool:
         if not self.prefix_caching or request.block_table:
             return True
-        if self.lower_tier is not None:
-            self.lower_tier.poll()
+        for tier in self.lower_tiers:
+            tier.poll()
         keys = self.prefix_keys(request)
         hits = self.resident_prefix(keys)
-        if len(hits) < len(keys) and self.lower_tier is not None:
-            if self.lower_tier.begin_load(request, keys[len(hits):]):
-                return False  # the rest of its prefix is on its way from the lower tier
+        for tier in self.lower_tiers:
+            if len(hits) == len(keys):
+                break
+            if tier.begin_load(request, keys[len(hits):]):
+                return False  # the rest of its prefix is on its way from this tier
             hits = self.resident_prefix(keys)  # installing its load may have evicted or added blocks
         for block in hits:
             self._reference(block)
@@ -172,6 +173,7 @@ class TokenPool(BlockPool):
             if block >= 0 and key.hash not in self._block_of and block not in self._key_of:
                 self._block_of[key.hash] = block
                 self._key_of[block] = key
+                _notify(self.commit_listeners, block, key)
             # else: another request computed the same block first; this copy stays private
         request.num_committed_blocks = upto
 
@@ -240,6 +242,15 @@ class TokenPool(BlockPool):
             "eviction_policy": getattr(self.policy, "name", type(self.policy).__name__),
         })
         return stats
+
+
+def _notify(listeners: list[BlockListener], block: int, key: BlockKey) -> None:
+    """Call every listener; one that fails is logged and never breaks the pool."""
+    for listener in listeners:
+        try:
+            listener(block, key)
+        except Exception:
+            log.exception("a KV block listener failed")
 
 
 def create(

@@ -1,0 +1,111 @@
+"""The store on real Redis servers: checked binary values, TTLs, sharding, and the per-node breaker."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import redis
+import torch
+from tokenflow_redis.store import RedisStore
+
+from tokenflow.kv.block_hash import block_keys, prefix_root
+from tokenflow.kv.response_cache import StoredResponse
+from tokenflow.params import Chunk
+
+SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, block size, KV heads, head dim
+
+
+def make_blocks(n: int, seed: int = 0) -> tuple[list, list[torch.Tensor]]:
+    keys = block_keys(list(range(seed, seed + 4 * n)), 4, prefix_root(b"model", None))
+    generator = torch.Generator().manual_seed(seed)
+    return keys, [torch.randn(SHAPE, generator=generator) for _ in keys]
+
+
+def raw_client(store: RedisStore, ring_key: bytes | str) -> redis.Redis:
+    return store.clients[store.ring.node_for(ring_key)]
+
+
+def test_blocks_round_trip_exactly_spread_over_nodes_with_ttls(redis_urls) -> None:
+    store = RedisStore(redis_urls, block_ttl_s=60)
+    keys, blocks = make_blocks(24)
+    assert all(store.put_block(k, b) for k, b in zip(keys, blocks))
+    assert not store.put_block(keys[0], blocks[0])  # there already: only the TTL is refreshed
+    loaded = store.get_blocks(keys, torch.float32, SHAPE)
+    assert [k for k, _ in loaded] == keys
+    assert all(torch.equal(a, b) for (_, a), b in zip(loaded, blocks))
+    assert len({store.ring.node_for(k.hash) for k in keys}) == len(redis_urls)
+    ttl = raw_client(store, keys[0].hash).pttl(f"tokenflow:kv:{keys[0].hash.hex()}")
+    assert 50_000 < ttl <= 60_000
+
+
+def test_a_prefix_stops_at_the_first_missing_block(redis_urls) -> None:
+    store = RedisStore(redis_urls)
+    keys, blocks = make_blocks(10)
+    for i in (0, 1, 2, 4, 5):
+        store.put_block(keys[i], blocks[i])
+    assert [k for k, _ in store.get_blocks(keys, torch.float32, SHAPE)] == keys[:3]
+
+
+def test_bad_values_are_misses_and_deleted(redis_urls) -> None:
+    store = RedisStore(redis_urls)
+    keys, blocks = make_blocks(4)
+    for k, b in zip(keys, blocks):
+        store.put_block(k, b)
+    names = [f"tokenflow:kv:{k.hash.hex()}" for k in keys]
+    raw_client(store, keys[1].hash).setrange(names[1], 200, b"\xff\xff")  # a flipped payload byte
+    raw_client(store, keys[2].hash).set(names[2], pickle.dumps({"evil": True}))  # never unpickled
+    raw_client(store, keys[3].hash).set(names[3], raw_client(store, keys[0].hash).get(names[0]))  # wrong key
+    assert [k for k, _ in store.get_blocks(keys, torch.float32, SHAPE)] == keys[:1]
+    assert store.get_blocks(keys[2:], torch.float32, SHAPE) == []
+    assert store.get_blocks(keys[3:], torch.float32, SHAPE) == []
+    assert store.corrupt_entries == 3
+    assert [raw_client(store, k.hash).exists(n) for k, n in zip(keys[1:], names[1:])] == [0, 0, 0]
+    assert store.get_blocks(keys[:1], torch.float16, SHAPE) == []  # a dtype the pool does not use
+
+
+def test_responses_round_trip_and_damage_is_a_miss(redis_urls) -> None:
+    store = RedisStore(redis_urls, response_ttl_s=30)
+    chunks = [Chunk(text="hi", token_ids=[5]), Chunk(text="!", token_ids=[6], finish_reason="stop")]
+    stored = StoredResponse([1, 2, 3], chunks)
+    assert store.put_response("abc", stored)
+    assert store.get_response("abc") == stored
+    client, name = raw_client(store, "abc"), "tokenflow:resp:abc"
+    assert 25_000 < client.pttl(name) <= 30_000
+    client.setrange(name, len(client.get(name)) - 3, b"zzz")
+    assert store.get_response("abc") is None and client.exists(name) == 0
+    assert store.get_response("never-stored") is None
+
+
+def test_a_dead_node_is_bypassed_then_used_again(own_redis) -> None:
+    store = RedisStore([own_redis.url], timeout_s=0.2, retry_s=0.5)
+    keys, blocks = make_blocks(3)
+    assert store.put_block(keys[0], blocks[0])
+    own_redis.stop()
+    assert store.get_blocks(keys, torch.float32, SHAPE) == []  # connection refused: trips
+    assert store.stats()["redis_breaker_trips"] == 1 and not store.available(keys[0].hash)
+    started = time.perf_counter()
+    for _ in range(100):
+        assert not store.put_block(keys[1], blocks[1])
+    assert time.perf_counter() - started < 0.05  # bypassed: no network at all
+    assert store.stats()["redis_bypassed_ops"] >= 100
+    own_redis.start()
+    time.sleep(0.6)
+    assert store.available(keys[0].hash)
+    assert store.put_block(keys[0], blocks[0])  # the restarted server is empty
+    assert [k for k, _ in store.get_blocks(keys[:1], torch.float32, SHAPE)] == keys[:1]
+    assert store.stats()["redis_breaker_recoveries"] == 1
+
+
+def test_a_stalled_node_trips_within_the_timeout(own_redis) -> None:
+    store = RedisStore([own_redis.url], timeout_s=0.2, retry_s=0.5)
+    keys, blocks = make_blocks(2)
+    store.put_block(keys[0], blocks[0])
+    own_redis.pause()
+    started = time.perf_counter()
+    assert store.get_blocks(keys, torch.float32, SHAPE) == []
+    assert time.perf_counter() - started < 1.0
+    assert store.stats()["redis_breaker_trips"] == 1
+    own_redis.resume()
+    time.sleep(0.6)
+    assert [k for k, _ in store.get_blocks(keys, torch.float32, SHAPE)] == keys[:1]

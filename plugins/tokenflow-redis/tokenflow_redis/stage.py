@@ -1,0 +1,209 @@
+"""The `redis_tier` stage: a KV-block tier and a response tier shared by every replica.
+
+Put it after `disk_tier` in `request_stages`; the engine's own pool and disk
+stay in front of it (local first, then global):
+- KV blocks: the stage joins the token pool's lower tiers after the disk
+  tier. As blocks fill (`commit_listeners`) they are copied out and published
+  by a writer thread (skipped when the store has them: another replica got
+  there first); with `publish=False` only evicted blocks are. When a
+  request's prefix continues past the pool and the disk, a load job fetches
+  the next blocks from Redis (the `prefetcher` starts it while the request is
+  queued) and restores them into the pool.
+- Responses: a deterministic request the engine's memory and disk did not
+  have is looked up in Redis and replayed on a hit; a completed one is
+  stored with a TTL.
+
+Settings come from `EngineConfig.plugin_settings["redis_tier"]` (see
+`RedisTierSettings`). Nothing here does network I/O on the event loop: the
+store runs in worker threads, and its per-node breakers turn a dead or slow
+Redis into misses until it answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import msgspec
+import torch
+
+from tokenflow.errors import ConfigError
+from tokenflow.kv.block_hash import BlockKey
+from tokenflow.kv.response_cache import (
+    recorded_response,
+    replay,
+    response_key,
+    start_recording,
+    wants_cached_response,
+)
+from tokenflow.kv.tier import BlockTier
+from tokenflow_redis.store import RedisStore
+
+__all__ = ("RedisTier", "RedisTierSettings", "create")
+
+log = logging.getLogger("tokenflow.redis")
+
+STAGE_NAME = "redis_tier"
+_KEY = "redis_response_key"  # request.extras: the response to store when it completes
+KNOWN_KEYS = 65536  # block hashes known to be in Redis, remembered so they are not offered again
+
+
+class RedisTierSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    urls: list[str] = msgspec.field(default_factory=lambda: ["redis://127.0.0.1:6379/0"])
+    namespace: str = "tokenflow"  # prefix of every Redis key: deployments sharing Redis stay apart
+    block_ttl_s: float = 3600.0  # refreshed on every read
+    response_ttl_s: float = 600.0
+    timeout_s: float = 0.5  # a slower reply counts as a failure and trips the node's breaker
+    retry_s: float = 5.0  # a tripped node is bypassed this long, then probed again
+    vnodes: int = 160  # points per node on the hash ring
+    publish: bool = True  # share blocks as they fill (False: only when the pool evicts them)
+    readers: int = 2  # load jobs at once
+    max_pending_writes: int = 256  # blocks copied out and not yet sent; more are not published
+
+
+class RedisTier(BlockTier):
+    name = "redis"
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        try:
+            self.settings = msgspec.convert(
+                config.plugin_settings.get(STAGE_NAME, {}), RedisTierSettings, strict=False
+            )
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid plugin_settings.{STAGE_NAME}: {exc}", field="plugin_settings") from None
+        self.store: RedisStore | None = None
+        self.model_key = b""
+        self.observers: list[Any] = []
+        self._writer: ThreadPoolExecutor | None = None
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self.blocks_published = 0
+        self.publish_dropped = 0
+        self.response_hits = 0
+        self.response_misses = 0
+        self.response_stores = 0
+
+    async def start(self, ctx: Any) -> None:
+        s = self.settings
+        self.store = RedisStore(
+            s.urls, namespace=s.namespace, block_ttl_s=s.block_ttl_s, response_ttl_s=s.response_ttl_s,
+            timeout_s=s.timeout_s, retry_s=s.retry_s, vnodes=s.vnodes,
+        )
+        up = await anyio.to_thread.run_sync(self.store.ping)
+        log.info("redis tier: %d/%d nodes answering (%s)", sum(up.values()), len(up), ", ".join(up))
+        self.model_key = ctx.model_key
+        self.observers = ctx.observers
+        ctx.observers.append(self)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tokenflow-redis-write")
+        self.attach(ctx.shared.get("block_pool"), s.readers)
+
+    async def stop(self) -> None:
+        self.poll()
+        await anyio.to_thread.run_sync(self.close_readers)
+        if self._writer is not None:
+            await anyio.to_thread.run_sync(self._writer.shutdown, True)
+        if self.store is not None:
+            self.store.close()
+
+    # -- the KV tier -----------------------------------------------------------------------
+    def might_have(self, key: BlockKey) -> bool:
+        return self.store is not None and self.store.available(key.hash)
+
+    def fetch_blocks(self, keys: list[BlockKey]) -> list[tuple[BlockKey, torch.Tensor]]:
+        assert self.store is not None and self.dtype is not None
+        loaded = self.store.get_blocks(keys, self.dtype, self.block_shape)
+        self._remember(key.hash for key, _ in loaded)
+        return loaded
+
+    def on_commit(self, block: int, key: BlockKey) -> None:
+        if self.settings.publish:
+            self._offer(block, key)
+
+    def on_evict(self, block: int, key: BlockKey) -> None:
+        self._offer(block, key)  # with `publish`, only blocks whose publishing was dropped get here new
+
+    def _offer(self, block: int, key: BlockKey) -> None:
+        """Copy the block out (event loop, before it can change) and hand it to the writer."""
+        if self.store is None or not self.store.available(key.hash):
+            return
+        with self._lock:
+            if key.hash in self._known:
+                return
+            if self._pending >= self.settings.max_pending_writes:
+                self.publish_dropped += 1
+                return
+            self._pending += 1
+            self._known[key.hash] = None
+        assert self._writer is not None
+        self._writer.submit(self._publish, key, self.pool.kv.read_block(block).to("cpu"))
+
+    def _publish(self, key: BlockKey, data: torch.Tensor) -> None:
+        assert self.store is not None
+        published = False
+        try:
+            published = self.store.put_block(key, data)
+        finally:
+            with self._lock:
+                self._pending -= 1
+                self.blocks_published += int(published)
+                if not published and not self.store.available(key.hash):
+                    self._known.pop(key.hash, None)  # not sent: offer it again later
+                while len(self._known) > KNOWN_KEYS:
+                    self._known.popitem(last=False)
+
+    def _remember(self, hashes: Any) -> None:
+        with self._lock:
+            for h in hashes:
+                self._known[h] = None
+                self._known.move_to_end(h)
+
+    # -- the response tier -------------------------------------------------------------------
+    async def handle(self, request: Any, call_next: Any) -> None:
+        store = self.store
+        if store is not None and wants_cached_response(request, self.config.response_cache):
+            key = response_key(self.model_key, request)
+            if key is not None and store.available(key):
+                stored = await anyio.to_thread.run_sync(store.get_response, key)
+                if stored is not None:
+                    self.response_hits += 1
+                    replay(request, stored, self.observers)
+                    return
+                self.response_misses += 1
+                start_recording(request)
+                request.extras[_KEY] = key
+        await call_next(request)
+
+    def on_step(self, duration_s: float, ok: bool) -> None:
+        pass
+
+    def on_request_end(self, request: Any, outcome: str) -> None:
+        key = request.extras.get(_KEY)
+        stored = recorded_response(request) if key is not None and outcome == "completed" else None
+        if stored is not None and self._writer is not None and self.store is not None:
+            self.response_stores += 1
+            self._writer.submit(self.store.put_response, key, stored)
+
+    def stats(self) -> dict[str, Any]:
+        stats = {
+            **super().stats(),
+            "redis_blocks_published": self.blocks_published,
+            "redis_publish_dropped": self.publish_dropped,
+            "redis_response_hits": self.response_hits,
+            "redis_response_misses": self.response_misses,
+            "redis_response_stores": self.response_stores,
+        }
+        if self.store is not None:
+            stats.update(self.store.stats())
+        return stats
+
+
+def create(config: Any) -> RedisTier:
+    return RedisTier(config)

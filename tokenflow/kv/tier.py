@@ -1,0 +1,165 @@
+"""`BlockTier`: the base of a KV tier below the token pool (disk, or a plugin's remote store).
+
+A tier attaches to the pool at start (`attach`): it joins `pool.lower_tiers`
+(asked in that order, so tiers nearest the engine come first) and its
+`on_evict` / `on_commit` hooks join the pool's listeners when it defines
+them. Loading works in *load jobs*: when a request's prefix continues past
+what the pool holds, a reader thread fetches the next blocks (consecutive,
+stopping at the first miss) and the finished job restores them into the
+pool on the event loop, pinned for the request until it is admitted or
+ends. The `prefetcher` stage starts jobs when a request is queued
+(`prefetch`); otherwise the pool starts one when the batcher first tries to
+admit the request (`begin_load`), which then waits while others run.
+
+A subclass says how to fetch: `might_have(key)` (event loop; cheap; False
+skips the tier) and `fetch_blocks(keys)` (reader thread). Everything else,
+including its `stats()` counters (prefixed with `name`), is shared.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenflow.kv.block_hash import BlockKey
+from tokenflow.request import Request, RequestStatus
+
+__all__ = ("BlockTier",)
+
+log = logging.getLogger("tokenflow")
+
+Loaded = list[tuple[BlockKey, torch.Tensor]]
+
+
+@dataclass(eq=False)
+class _LoadJob:
+    request: Request
+    future: Future[Loaded]
+    prefetch: bool
+    late: bool = False
+
+
+class BlockTier:
+    name = "tier"  # prefixes the stats keys
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+        self.dtype: torch.dtype | None = None
+        self.block_shape: tuple[int, ...] = ()
+        self._readers: ThreadPoolExecutor | None = None
+        self._jobs: dict[Request, _LoadJob] = {}
+        self.blocks_loaded = 0
+        self.load_jobs = 0
+        self.prefetch_jobs = 0
+        self.prefetch_in_time = 0
+        self.prefetch_late = 0
+
+    @property
+    def _loaded_marker(self) -> str:
+        return f"{self.name}_loaded"  # request.extras: its job was installed; never load twice
+
+    def attach(self, pool: Any, readers: int) -> bool:
+        """Join `pool` as its next lower tier; False (and nothing done) when it has no prefix cache."""
+        if not getattr(pool, "prefix_caching", False) or getattr(pool, "kv", None) is None:
+            return False
+        self.pool = pool
+        kv = pool.kv
+        self.dtype = kv.dtype
+        self.block_shape = (kv.num_layers, 2, kv.block_size, kv.num_kv_heads, kv.head_dim)
+        self._readers = ThreadPoolExecutor(readers, thread_name_prefix=f"tokenflow-{self.name}-read")
+        pool.lower_tiers.append(self)
+        if hasattr(self, "on_evict"):
+            pool.evict_listeners.append(self.on_evict)
+        if hasattr(self, "on_commit"):
+            pool.commit_listeners.append(self.on_commit)
+        return True
+
+    def close_readers(self) -> None:
+        """Wait for running load jobs to end (worker thread, at stop)."""
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+
+    # -- what a subclass provides --------------------------------------------------------
+    def might_have(self, key: BlockKey) -> bool:
+        """Event loop: whether loading from `key` on is worth a job (a hint; may be wrong)."""
+        return True
+
+    def fetch_blocks(self, keys: list[BlockKey]) -> Loaded:
+        """Reader thread: the blocks of `keys` in order, stopping at the first one missing or bad."""
+        raise NotImplementedError
+
+    # -- load jobs -------------------------------------------------------------------------
+    def missing_prefix(self, request: Request) -> list[BlockKey]:
+        keys = self.pool.prefix_keys(request)
+        return keys[len(self.pool.resident_prefix(keys)):]
+
+    def prefetch(self, request: Request) -> bool:
+        """Start loading the request's prefix now; True when a job started (or runs already)."""
+        if self.pool is None or request.extras.get(self._loaded_marker):
+            return False
+        if request in self._jobs:
+            return True
+        keys = self.missing_prefix(request)
+        if not keys or not self.might_have(keys[0]):
+            return False
+        self._start(request, keys, prefetch=True)
+        return True
+
+    def begin_load(self, request: Request, keys: list[BlockKey]) -> bool:
+        """The pool asks for `keys` (past its resident prefix). True: wait, they are loading."""
+        job = self._jobs.get(request)
+        if job is not None:
+            if not job.future.done():
+                if job.prefetch and not job.late:
+                    job.late = True
+                    self.prefetch_late += 1
+                return True
+            self._install(job)
+            return False
+        if request.extras.get(self._loaded_marker) or not keys or not self.might_have(keys[0]):
+            return False
+        self._start(request, keys, prefetch=False)
+        return True
+
+    def _start(self, request: Request, keys: list[BlockKey], prefetch: bool) -> None:
+        assert self._readers is not None
+        self._jobs[request] = _LoadJob(request, self._readers.submit(self.fetch_blocks, list(keys)), prefetch)
+        if prefetch:
+            self.prefetch_jobs += 1
+        else:
+            self.load_jobs += 1
+
+    def poll(self) -> None:
+        """Install every finished load job (event loop; the pool calls it before matching prefixes)."""
+        for job in [j for j in self._jobs.values() if j.future.done()]:
+            self._install(job)
+
+    def _install(self, job: _LoadJob) -> None:
+        request = job.request
+        del self._jobs[request]
+        request.extras[self._loaded_marker] = True
+        if job.prefetch and not job.late:
+            self.prefetch_in_time += 1
+        try:
+            loaded = job.future.result()
+        except Exception:
+            log.exception("%s: a load job failed; the prefix is recomputed", self.name)
+            return
+        owner = None if request.status is RequestStatus.FINISHED else request
+        for key, data in loaded:
+            if not self.pool.restore(key, data, owner):
+                break
+            self.blocks_loaded += 1
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            f"{self.name}_blocks_loaded": self.blocks_loaded,
+            f"{self.name}_load_jobs": self.load_jobs,
+            f"{self.name}_prefetch_jobs": self.prefetch_jobs,
+            f"{self.name}_prefetch_in_time": self.prefetch_in_time,
+            f"{self.name}_prefetch_late": self.prefetch_late,
+        }
