@@ -15,7 +15,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
     "${PIP[@]}" "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
-"${PIP[@]}" -e ".[dev]" -e plugins/tokenflow-redact -e plugins/tokenflow-redis
+"${PIP[@]}" -e ".[dev]" -e plugins/tokenflow-redact -e plugins/tokenflow-redis \
+    -e plugins/tokenflow-ray
 if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
     $SUDO apt-get install -y -qq redis-server >/dev/null 2>&1 \

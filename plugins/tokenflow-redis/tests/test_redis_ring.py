@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+
 from tokenflow_redis.ring import HashRing, moved_fraction
 
 KEYS = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(20_000)]

@@ -7,11 +7,11 @@ import time
 
 import redis
 import torch
-from tokenflow_redis.store import RedisStore
 
 from tokenflow.kv.block_hash import block_keys, prefix_root
 from tokenflow.kv.response_cache import StoredResponse
 from tokenflow.params import Chunk
+from tokenflow_redis.store import RedisStore
 
 SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, block size, KV heads, head dim
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from tokenflow_redis import with_redis_tier
 from transformers import AutoModelForCausalLM
 
 from tokenflow import Engine
+from tokenflow_redis import with_redis_tier
 
 rng = random.Random(7)
 LONG = [rng.randrange(5, 500) for _ in range(300)]  # 18 full blocks of 16
