@@ -26,6 +26,7 @@ from tokenflow.errors import DeadlineExceeded, EngineClosed, InvalidRequest, Tok
 from tokenflow.kv.block_hash import model_key
 from tokenflow.model.loader import load_model
 from tokenflow.model.sampler import make_generator
+from tokenflow.model_thread import ModelThread
 from tokenflow.models import resolve_model
 from tokenflow.output import OutputProcessor, usage_of
 from tokenflow.params import Chunk, Completion, SamplingParams
@@ -78,17 +79,29 @@ class Engine:
         config = self.config
         resolved = await anyio.to_thread.run_sync(resolve_model, config.model)
         self.model_name = resolved.name
-        loaded = await anyio.to_thread.run_sync(load_model, resolved.path, config)
+        model_thread = self._model_thread = ModelThread()
+        self._model_thread_task = _spawn(model_thread.serve, "tokenflow-model-thread")
+        try:
+            await self._start_on(model_thread, resolved.path)
+        except BaseException:
+            model_thread.close()
+            raise
+        if config.warmup:
+            await self._warm_up()
+
+    async def _start_on(self, model_thread: ModelThread, path: Any) -> None:
+        config = self.config
+        loaded = await model_thread.run(load_model, path, config)
         policy = {
             "dense": "dense", "sliding": f"sliding:{config.window}:{config.sink_tokens}",
             "topk": f"topk:{config.topk_budget}:{config.sink_tokens}",
         }[config.attention]
-        fingerprint = await anyio.to_thread.run_sync(model_key, loaded.model, config.block_size, policy)
+        fingerprint = await model_thread.run(model_key, loaded.model, config.block_size, policy)
         ctx = EngineContext(
             config, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size, fingerprint
         )
         backend = registry.load_backend(config.backend, config)
-        await anyio.to_thread.run_sync(backend.load, ctx, loaded.model)
+        await model_thread.run(backend.load, ctx, loaded.model)
         stages = [registry.load_stage(name, config, kinds=("request",)) for name in config.request_stages]
         batcher = registry.load_stage(config.batcher, config, kinds=("loop",))
         for name, stage in [*zip(config.request_stages, stages), (config.batcher, batcher)]:
@@ -102,13 +115,12 @@ class Engine:
         self.loaded = loaded
         self.output = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, loaded.max_model_len)
         self._loop = StepLoop(
-            backend, batcher, self.output, loaded, ctx.observers, debug_leaks=config.debug_leaks
+            backend, batcher, self.output, loaded, ctx.observers, model_thread=model_thread,
+            debug_leaks=config.debug_leaks,
         )
         self._chain = _build_chain(stages, self._enqueue)
-        self._background = _spawn(self._loop.run)
+        self._background = _spawn(self._loop.run, "tokenflow-step-loop")
         self._state = "running"
-        if config.warmup:
-            await self._warm_up()
 
     async def _warm_up(self) -> None:
         """Run short requests at each decode batch size the engine will see, so one-time costs
@@ -146,6 +158,8 @@ class Engine:
                     await stage.stop()
                 except Exception:
                     log.exception("stopping stage %r failed", stage)
+        self._model_thread.close()
+        await self._model_thread_task.wait()
         self._state = "closed"
 
     # -- public API ----------------------------------------------------------
@@ -294,8 +308,11 @@ class _Background:
         self._scope.cancel()
         await self._done.wait()
 
+    async def wait(self) -> None:
+        await self._done.wait()
 
-def _spawn(fn: Callable[[], Awaitable[None]]) -> _Background:
+
+def _spawn(fn: Callable[[], Awaitable[None]], name: str) -> _Background:
     import asyncio
 
     background = _Background(fn)
@@ -304,9 +321,9 @@ def _spawn(fn: Callable[[], Awaitable[None]]) -> _Background:
     except RuntimeError:  # not asyncio: trio
         import trio
 
-        background.handle = trio.lowlevel.spawn_system_task(background.main, name="tokenflow-step-loop")
+        background.handle = trio.lowlevel.spawn_system_task(background.main, name=name)
     else:
-        background.handle = loop.create_task(background.main(), name="tokenflow-step-loop")
+        background.handle = loop.create_task(background.main(), name=name)
     return background
 
 

@@ -30,6 +30,7 @@ import torch
 from tokenflow.errors import EngineError
 from tokenflow.model.loader import LoadedModel
 from tokenflow.model.sampler import Sampler, SamplerOutput, row_of
+from tokenflow.model_thread import ModelThread
 from tokenflow.output import OutputProcessor
 from tokenflow.protocols import StepPlan
 from tokenflow.request import Request, RequestStatus
@@ -49,9 +50,10 @@ class KVLeakError(RuntimeError):
 class StepLoop:
     def __init__(
         self, backend: Any, batcher: Any, output: OutputProcessor, loaded: LoadedModel, observers: list[Any],
-        *, debug_leaks: bool = False,
+        *, model_thread: ModelThread, debug_leaks: bool = False,
     ) -> None:
         self.observers = observers
+        self.model_thread = model_thread
         self.debug_leaks = debug_leaks
         # Requests handed to the batcher that are unfinished or still hold blocks (pruned as they
         # end, amortised O(1)): the leak check names holders from it, and a broken batcher's
@@ -149,7 +151,7 @@ class StepLoop:
             return
         started = time.perf_counter()
         try:
-            result = await anyio.to_thread.run_sync(self._execute, plan)
+            result = await self.model_thread.run(self._execute, plan)
         except torch.OutOfMemoryError as exc:  # CUDA OOM: a smaller step, before failing anyone
             shrink = getattr(self.batcher, "shrink", None)
             if shrink is not None and shrink(plan):
@@ -183,7 +185,7 @@ class StepLoop:
             recent.append((self.last_step_ms, self.last_forward_ms))
 
     def _execute(self, plan: StepPlan) -> SamplerOutput:
-        """Worker thread: forward + sample."""
+        """Model thread: forward + sample."""
         t0 = time.perf_counter()
         logits = self.backend.execute(plan)
         self.last_forward_ms = (time.perf_counter() - t0) * 1e3
@@ -207,7 +209,7 @@ class StepLoop:
 
         started = time.perf_counter()
         try:
-            await anyio.to_thread.run_sync(self.backend.run_batch, batch, on_tokens)
+            await self.model_thread.run(self.backend.run_batch, batch, on_tokens)
             self._failures = 0
             self._notify_step(time.perf_counter() - started, True)
         except Exception as exc:

@@ -138,9 +138,18 @@ class KVCache:
     def read_block(self, block_id: int) -> torch.Tensor:
         """A copy of one block over all layers, for tiers that move blocks out of the pool.
 
-        Returns `[num_layers, 2, block_size, kv_heads, head_dim]` (index 0 = K, 1 = V).
+        Returns `[num_layers, 2, block_size, kv_heads, head_dim]` (index 0 = K, 1 = V). Tiers call
+        it on the event loop: one small copy per layer and K/V stays under torch's parallel-op
+        threshold, so this thread never starts an OpenMP team of its own (see `model_thread.py`).
         """
-        return torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in zip(self.k, self.v)])
+        out = torch.empty(
+            (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim), dtype=self.dtype,
+            device=self.device,
+        )
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            out[layer, 0].copy_(k[block_id])
+            out[layer, 1].copy_(v[block_id])
+        return out
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Inverse of `read_block`: `data` is `[num_layers, 2, block_size, kv_heads, head_dim]`."""
