@@ -20,6 +20,7 @@ trio alike), and the callbacks a static backend makes from inside a step
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -66,8 +67,6 @@ class ModelThread:
         return job.value
 
     def _work(self) -> None:
-        import threading
-
         self.thread_id = threading.get_ident()
         while (job := self._jobs.get()) is not None:
             try:

@@ -24,7 +24,6 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
-import anyio.to_thread
 import torch
 
 from tokenflow.errors import EngineError

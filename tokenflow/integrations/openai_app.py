@@ -39,10 +39,12 @@ from tokenflow.errors import DeadlineExceeded, EngineClosed, EngineError, Invali
 from tokenflow.integrations.metrics import EngineMetrics
 from tokenflow.params import Chunk, Completion
 
-__all__ = ("create_app", "engine_lifespan", "openai_routes")
+__all__ = ("PASSTHROUGH", "completion_body", "create_app", "engine_lifespan", "error_body", "openai_routes",
+           "parse_request", "response_id", "retry_after_s")
 
-_PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "ignore_eos", "priority", "cache_salt", "min_tokens")
+# Body fields passed to the engine as they are (the non-OpenAI ones through a client's `extra_body`).
+PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "ignore_eos", "priority", "cache_salt", "min_tokens", "stop_token_ids")
 
 
 def engine_lifespan(model: str | None = None, *, engine: Engine | None = None, **settings: Any) -> Any:
@@ -114,14 +116,12 @@ async def _serve(request: Request, chat: bool) -> Response:
     engine: Engine = request.app.state.engine
     try:
         body = await request.json()
-        if not isinstance(body, dict):
-            raise InvalidRequest("the request body must be a JSON object")
-        prompt, kwargs = _parse(body, chat)
+        prompt, kwargs = parse_request(body, chat)
     except json.JSONDecodeError:
         return _error(InvalidRequest("the request body is not valid JSON"))
     except TokenflowError as exc:
         return _error(exc)
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    rid = response_id(chat)
     started = time.perf_counter()
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -140,8 +140,8 @@ async def _serve(request: Request, chat: bool) -> Response:
     except TokenflowError as exc:
         return _error(exc)
     request.app.state.metrics.latency.observe(time.perf_counter() - started)
-    body_out = _completion_body(done, rid, engine.model_name, chat, kwargs.get("logprobs") is not None,
-                                engine.loaded.tokenizer)
+    body_out = completion_body(done, chat=chat, model=engine.model_name, rid=rid,
+                               logprobs=kwargs.get("logprobs") is not None, tokenizer=engine.loaded.tokenizer)
     return JSONResponse(body_out)
 
 
@@ -173,7 +173,12 @@ async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk |
 
 
 # -- mapping ---------------------------------------------------------------------------
-def _parse(body: dict[str, Any], chat: bool) -> tuple[Any, dict[str, Any]]:
+def parse_request(body: Any, chat: bool) -> tuple[Any, dict[str, Any]]:
+    """`(prompt or messages, Engine keyword arguments)` of a request body; `InvalidRequest` if malformed.
+
+    Parameter values are checked by the engine itself (`SamplingParams`)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
     if body.get("n", 1) != 1:
         raise InvalidRequest("only n=1 is supported", field="n")
     if chat:
@@ -186,7 +191,7 @@ def _parse(body: dict[str, Any], chat: bool) -> tuple[Any, dict[str, Any]]:
             prompt = prompt[0]  # a batch of one
         if not isinstance(prompt, (str, list)):
             raise InvalidRequest("`prompt` must be a string or a list of token ids", field="prompt")
-    kwargs: dict[str, Any] = {k: body[k] for k in _PASSTHROUGH if body.get(k) is not None}
+    kwargs: dict[str, Any] = {k: body[k] for k in PASSTHROUGH if body.get(k) is not None}
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     kwargs["max_tokens"] = max_tokens if max_tokens is not None else (512 if chat else 16)
     if body.get("stop") is not None:
@@ -203,11 +208,17 @@ def _usage(usage: Any) -> dict[str, Any]:
             "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def _completion_body(
-    done: Completion, rid: str, model: str, chat: bool, with_logprobs: bool, tokenizer: Any
+def response_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def completion_body(
+    done: Completion, *, chat: bool, model: str, rid: str | None = None, logprobs: bool = False,
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
+    """The OpenAI response body of a finished request (logprobs need the tokenizer to spell tokens)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
-    if with_logprobs and done.logprobs is not None:
+    if logprobs and done.logprobs is not None:
         def text(token_id: int) -> str:
             return tokenizer.decode([token_id])
 
@@ -231,7 +242,8 @@ def _completion_body(
         choice["message"] = {"role": "assistant", "content": done.text}
     else:
         choice["text"] = done.text
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+    return {"id": rid or response_id(chat), "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
             "model": model, "choices": [choice], "usage": _usage(done.usage)}
 
 
@@ -243,16 +255,25 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _error(exc: TokenflowError) -> JSONResponse:
-    status, kind, headers = 500, "server_error", {}
+def error_body(exc: TokenflowError) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error body of a typed engine error."""
+    status, kind = 500, "server_error"
     if isinstance(exc, InvalidRequest):
         status, kind = 400, "invalid_request_error"
     elif isinstance(exc, Overloaded):
         status, kind = 429, "rate_limit_error"
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after or 1.0)))
     elif isinstance(exc, (EngineClosed, EngineError)):
         status, kind = 503, "service_unavailable"
     elif isinstance(exc, DeadlineExceeded):
         status, kind = 504, "timeout"
-    body = {"error": {"message": str(exc), "type": kind, "param": getattr(exc, "field", None), "code": None}}
+    return status, {"error": {"message": str(exc), "type": kind, "param": getattr(exc, "field", None), "code": None}}
+
+
+def retry_after_s(exc: Overloaded) -> int:
+    return max(1, math.ceil(exc.retry_after or 1.0))
+
+
+def _error(exc: TokenflowError) -> JSONResponse:
+    status, body = error_body(exc)
+    headers = {"Retry-After": str(retry_after_s(exc))} if isinstance(exc, Overloaded) else {}
     return JSONResponse(body, status_code=status, headers=headers)

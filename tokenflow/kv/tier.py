@@ -18,6 +18,7 @@ including its `stats()` counters (prefixed with `name`), is shared.
 
 from __future__ import annotations
 
+import abc
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ class _LoadJob:
     late: bool = False
 
 
-class BlockTier:
+class BlockTier(abc.ABC):
     name = "tier"  # prefixes the stats keys
 
     def __init__(self) -> None:
@@ -88,9 +89,9 @@ class BlockTier:
         """Event loop: whether loading from `key` on is worth a job (a hint; may be wrong)."""
         return True
 
+    @abc.abstractmethod
     def fetch_blocks(self, keys: list[BlockKey]) -> Loaded:
         """Reader thread: the blocks of `keys` in order, stopping at the first one missing or bad."""
-        raise NotImplementedError
 
     # -- load jobs -------------------------------------------------------------------------
     def missing_prefix(self, request: Request) -> list[BlockKey]:
