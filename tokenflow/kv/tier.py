@@ -11,15 +11,22 @@ ends. The `prefetcher` stage starts jobs when a request is queued
 (`prefetch`); otherwise the pool starts one when the batcher first tries to
 admit the request (`begin_load`), which then waits while others run.
 
-A subclass says how to fetch: `might_have(key)` (event loop; cheap; False
-skips the tier) and `fetch_blocks(keys)` (reader thread). Everything else,
-including its `stats()` counters (prefixed with `name`), is shared.
+Writing goes the other way, behind the step loop: `write_behind(block, key)`
+copies a block out on the event loop (before the pool can reuse it) and
+hands it to the tier's writer thread, dropping it (counted) when
+`max_pending_writes` copies already wait.
+
+A subclass says how to fetch and store: `might_have(key)` (event loop;
+cheap; False skips the tier), `fetch_blocks(keys)` (reader thread) and
+`write_block(key, data)` (writer thread). Everything else, including the
+load counters in `stats()` (prefixed with `name`), is shared.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -45,14 +52,20 @@ class _LoadJob:
 
 
 class BlockTier(abc.ABC):
-    name = "tier"  # prefixes the stats keys
+    name = "tier"  # prefixes the stats keys and thread names
+    max_pending_writes = 256  # blocks copied out and not yet written; more are dropped
 
     def __init__(self) -> None:
         self.pool: Any = None
         self.dtype: torch.dtype | None = None
         self.block_shape: tuple[int, ...] = ()
         self._readers: ThreadPoolExecutor | None = None
+        self.writer: ThreadPoolExecutor | None = None  # block writes, and any other write the tier puts behind
         self._jobs: dict[Request, _LoadJob] = {}
+        self._write_lock = threading.Lock()
+        self._pending_writes = 0
+        self.blocks_written = 0
+        self.writes_dropped = 0
         self.blocks_loaded = 0
         self.load_jobs = 0
         self.prefetch_jobs = 0
@@ -79,10 +92,14 @@ class BlockTier(abc.ABC):
             pool.commit_listeners.append(self.on_commit)
         return True
 
-    def close_readers(self) -> None:
-        """Wait for running load jobs to end (worker thread, at stop)."""
-        if self._readers is not None:
-            self._readers.shutdown(wait=True)
+    def start_writer(self) -> None:
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix=f"tokenflow-{self.name}-write")
+
+    def close_threads(self) -> None:
+        """Wait for running load jobs and pending writes to end (worker thread, at stop)."""
+        for executor in (self._readers, self.writer):
+            if executor is not None:
+                executor.shutdown(wait=True)
 
     # -- what a subclass provides --------------------------------------------------------
     def might_have(self, key: BlockKey) -> bool:
@@ -92,6 +109,31 @@ class BlockTier(abc.ABC):
     @abc.abstractmethod
     def fetch_blocks(self, keys: list[BlockKey]) -> Loaded:
         """Reader thread: the blocks of `keys` in order, stopping at the first one missing or bad."""
+
+    @abc.abstractmethod
+    def write_block(self, key: BlockKey, data: torch.Tensor) -> bool:
+        """Writer thread: store one block's K/V; True when it was written."""
+
+    # -- writing behind --------------------------------------------------------------------
+    def write_behind(self, block: int, key: BlockKey) -> bool:
+        """Copy `block` out now and `write_block` it on the writer thread; False when dropped."""
+        with self._write_lock:
+            if self._pending_writes >= self.max_pending_writes:
+                self.writes_dropped += 1
+                return False
+            self._pending_writes += 1
+        assert self.writer is not None
+        self.writer.submit(self._write, key, self.pool.kv.read_block(block).to("cpu"))
+        return True
+
+    def _write(self, key: BlockKey, data: torch.Tensor) -> None:
+        written = False
+        try:
+            written = self.write_block(key, data)
+        finally:
+            with self._write_lock:
+                self._pending_writes -= 1
+                self.blocks_written += int(written)
 
     # -- load jobs -------------------------------------------------------------------------
     def missing_prefix(self, request: Request) -> list[BlockKey]:

@@ -22,8 +22,6 @@ All storage checks and the I/O breaker live in `kv/disk_store.py`; without a
 from __future__ import annotations
 
 import logging
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -50,7 +48,6 @@ __all__ = ("DiskTier", "create")
 log = logging.getLogger("tokenflow")
 
 _KEY = "response_key"
-MAX_PENDING_WRITES = 256  # blocks copied out and not yet on disk; more evictions are not written
 
 
 class DiskTier(BlockTier):
@@ -63,11 +60,6 @@ class DiskTier(BlockTier):
         self.responses = ResponseCache(config.response_cache_size, config.response_cache_ttl_s)
         self.model_key = b""
         self.observers: list[Any] = []
-        self._writer: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-        self._pending_writes = 0
-        self.blocks_written = 0
-        self.writes_dropped = 0
 
     async def start(self, ctx: EngineContext) -> None:
         self.model_key = ctx.model_key
@@ -78,7 +70,7 @@ class DiskTier(BlockTier):
         self.store = await anyio.to_thread.run_sync(
             DiskStore, self.config.cache_dir, self.config.disk_cache_bytes, self.config.disk_retry_s
         )
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tokenflow-disk-write")
+        self.start_writer()
         self.attach(ctx.shared.get("block_pool"), self.config.prefetch_concurrency)
 
     async def stop(self) -> None:
@@ -86,9 +78,7 @@ class DiskTier(BlockTier):
         self.poll()
         if self.pool is not None and self.store is not None:
             await anyio.to_thread.run_sync(self._flush_pool)
-        await anyio.to_thread.run_sync(self.close_readers)
-        if self._writer is not None:
-            await anyio.to_thread.run_sync(self._writer.shutdown, True)
+        await anyio.to_thread.run_sync(self.close_threads)
         if self.store is not None:
             await anyio.to_thread.run_sync(self.store.close)
 
@@ -120,31 +110,18 @@ class DiskTier(BlockTier):
         if stored is None:
             return
         raw = self.responses.encode(key, stored)
-        if self._writer is not None and self.store is not None:
-            self._writer.submit(self.store.put_response, key, raw)
+        if self.writer is not None and self.store is not None:
+            self.writer.submit(self.store.put_response, key, raw)
 
     # -- the KV tier ----------------------------------------------------------------------
     def on_evict(self, block: int, key: BlockKey) -> None:
         """The pool is about to reuse `block`: copy it out and write it behind."""
         store = self.store
-        if store is None or not store.available or store.has_block(key):
-            return
-        with self._lock:
-            if self._pending_writes >= MAX_PENDING_WRITES:
-                self.writes_dropped += 1
-                return
-            self._pending_writes += 1
-        data = self.pool.kv.read_block(block).to("cpu")
-        assert self._writer is not None
-        self._writer.submit(self._write, key, data)
+        if store is not None and store.available and not store.has_block(key):
+            self.write_behind(block, key)
 
-    def _write(self, key: BlockKey, data: torch.Tensor) -> None:
-        try:
-            ok = self.store is not None and self.store.put_block(key, data)
-        finally:
-            with self._lock:
-                self._pending_writes -= 1
-                self.blocks_written += int(bool(ok))
+    def write_block(self, key: BlockKey, data: torch.Tensor) -> bool:
+        return self.store is not None and self.store.put_block(key, data)
 
     def _flush_pool(self) -> None:
         """Worker thread, after the step loop stopped: persist what the pool still caches."""

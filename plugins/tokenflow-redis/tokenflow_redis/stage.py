@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -81,12 +80,9 @@ class RedisTier(BlockTier):
         self.store: RedisStore | None = None
         self.model_key = b""
         self.observers: list[Any] = []
-        self._writer: ThreadPoolExecutor | None = None
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self.max_pending_writes = self.settings.max_pending_writes
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # block hashes known to be in Redis
         self._lock = threading.Lock()
-        self._pending = 0
-        self.blocks_published = 0
-        self.publish_dropped = 0
         self.response_hits = 0
         self.response_misses = 0
         self.response_stores = 0
@@ -102,14 +98,12 @@ class RedisTier(BlockTier):
         self.model_key = ctx.model_key
         self.observers = ctx.observers
         ctx.observers.append(self)
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tokenflow-redis-write")
+        self.start_writer()
         self.attach(ctx.shared.get("block_pool"), s.readers)
 
     async def stop(self) -> None:
         self.poll()
-        await anyio.to_thread.run_sync(self.close_readers)
-        if self._writer is not None:
-            await anyio.to_thread.run_sync(self._writer.shutdown, True)
+        await anyio.to_thread.run_sync(self.close_threads)
         if self.store is not None:
             self.store.close()
 
@@ -131,39 +125,34 @@ class RedisTier(BlockTier):
         self._offer(block, key)  # with `publish`, only blocks whose publishing was dropped get here new
 
     def _offer(self, block: int, key: BlockKey) -> None:
-        """Copy the block out (event loop, before it can change) and hand it to the writer."""
+        """Publish the block unless Redis is known to have it or its node is bypassed."""
         if self.store is None or not self.store.available(key.hash):
             return
         with self._lock:
             if key.hash in self._known:
                 return
-            if self._pending >= self.settings.max_pending_writes:
-                self.publish_dropped += 1
-                return
-            self._pending += 1
-            self._known[key.hash] = None
-        assert self._writer is not None
-        self._writer.submit(self._publish, key, self.pool.kv.read_block(block).to("cpu"))
+        self._remember([key.hash])
+        if not self.write_behind(block, key):
+            self._forget(key.hash)
 
-    def _publish(self, key: BlockKey, data: torch.Tensor) -> None:
+    def write_block(self, key: BlockKey, data: torch.Tensor) -> bool:
         assert self.store is not None
-        published = False
-        try:
-            published = self.store.put_block(key, data)
-        finally:
-            with self._lock:
-                self._pending -= 1
-                self.blocks_published += int(published)
-                if not published and not self.store.available(key.hash):
-                    self._known.pop(key.hash, None)  # not sent: offer it again later
-                while len(self._known) > KNOWN_KEYS:
-                    self._known.popitem(last=False)
+        published = self.store.put_block(key, data)
+        if not published and not self.store.available(key.hash):
+            self._forget(key.hash)  # not sent: offer it again later
+        return published
+
+    def _forget(self, block_hash: bytes) -> None:
+        with self._lock:
+            self._known.pop(block_hash, None)
 
     def _remember(self, hashes: Any) -> None:
         with self._lock:
             for h in hashes:
                 self._known[h] = None
                 self._known.move_to_end(h)
+            while len(self._known) > KNOWN_KEYS:
+                self._known.popitem(last=False)
 
     # -- the response tier -------------------------------------------------------------------
     async def handle(self, request: Any, call_next: Any) -> None:
@@ -187,15 +176,15 @@ class RedisTier(BlockTier):
     def on_request_end(self, request: Any, outcome: str) -> None:
         key = request.extras.get(_KEY)
         stored = recorded_response(request) if key is not None and outcome == "completed" else None
-        if stored is not None and self._writer is not None and self.store is not None:
+        if stored is not None and self.writer is not None and self.store is not None:
             self.response_stores += 1
-            self._writer.submit(self.store.put_response, key, stored)
+            self.writer.submit(self.store.put_response, key, stored)
 
     def stats(self) -> dict[str, Any]:
         stats = {
             **super().stats(),
-            "redis_blocks_published": self.blocks_published,
-            "redis_publish_dropped": self.publish_dropped,
+            "redis_blocks_published": self.blocks_written,
+            "redis_publish_dropped": self.writes_dropped,
             "redis_response_hits": self.response_hits,
             "redis_response_misses": self.response_misses,
             "redis_response_stores": self.response_stores,
