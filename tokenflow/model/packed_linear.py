@@ -1,0 +1,67 @@
+"""Linear layers on CPU with weights reordered once for oneDNN.
+
+`torch.nn.functional.linear` on CPU leaves the weight in its plain row-major
+layout, and a GEMM with few rows is then dominated by re-reading it in a
+cache-unfriendly order. oneDNN's blocked layout, packed once at load, runs the
+same GEMM about 1.6-2x faster at 16 rows (a batch-16 decode step) on the
+2-core dev CPU, and about as fast as plain from ~128 rows up. At one row both
+are bound by reading the weights and the plain path is a little faster, so a
+packed layer keeps its plain weight (the model's parameter, untouched) and
+uses it for single-row inputs. The cost is a second copy of the linear weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ("pack_linears", "packing_available")
+
+log = logging.getLogger("tokenflow")
+
+PACK_FOR_ROWS = 128  # oneDNN picks the blocked layout for this many rows; any row count still works
+MIN_PACKED_ROWS = 2  # below this the plain weight is used
+_PACKABLE = (torch.float32, torch.bfloat16)
+
+
+def packing_available() -> bool:
+    """Whether this torch build has oneDNN's packed linear ops."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _packed_forward(module: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() < MIN_PACKED_ROWS * x.shape[-1]:
+        return F.linear(x, module.weight, module.bias)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Route every plain `nn.Linear` of `model` on CPU through a packed copy of its weight.
+
+    Returns how many layers were packed. Inference only: the packed copy does not follow later
+    changes to the parameter.
+    """
+    if not packing_available():
+        return 0
+    count = 0
+    nbytes = 0
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear:
+            continue  # subclasses (quantized, LoRA, ...) keep their own forward
+        weight = module.weight
+        if weight.device.type != "cpu" or weight.dtype not in _PACKABLE:
+            continue
+        if module.bias is not None and module.bias.dtype != weight.dtype:
+            continue
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
+        module.forward = functools.partial(_packed_forward, module, packed)
+        count += 1
+        nbytes += weight.numel() * weight.element_size()
+    if count:
+        log.info("packed %d linear layers for oneDNN (%.0f MiB of weights copied)", count, nbytes / 2**20)
+    return count
