@@ -216,6 +216,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-prompt", type=int, default=20)
     p.add_argument("--max-prompt", type=int, default=600)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--naive-dtype", default=None,
+                   help="dtype of the naive baseline (default: --dtype); e.g. bf16 engines against fp32 naive")
     p.add_argument("--settings", default=None, help="JSON of extra engine settings")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--json", dest="json_out", default=None, help="write the results to this file")
@@ -223,7 +225,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _print_table(results: list[dict[str, Any]]) -> None:
-    cols = ["engine", "concurrency", "req_per_s", "out_tok_per_s", "ttft_p50_s", "ttft_p99_s",
+    cols = ["engine", "dtype", "concurrency", "req_per_s", "out_tok_per_s", "ttft_p50_s", "ttft_p99_s",
             "latency_p50_s", "latency_p99_s", "peak_rss_mb"]
     naive = {r["concurrency"]: r["req_per_s"] for r in results if r["engine"] == "naive"}
     rows = [[*(str(r[c]) for c in cols),
@@ -235,7 +237,8 @@ def _print_table(results: list[dict[str, Any]]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
     for r in results:
         if "bare_forward_ms" in r:
-            print(f"bare HF decode forward (DynamicCache, context 300): batch 1 = {r['bare_forward_ms']['1']} ms, "
+            print(f"bare HF decode forward ({r['dtype']}, DynamicCache, context 300): "
+                  f"batch 1 = {r['bare_forward_ms']['1']} ms, "
                   f"batch 16 = {r['bare_forward_ms']['16']} ms")
             break
     for r in results:
@@ -256,9 +259,10 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     if "naive" in args.engines.split(","):
         jobs.insert(0, ("naive", args.concurrency))  # one run serves every concurrency level
     for engine, concurrency in jobs:
+        dtype = (args.naive_dtype or args.dtype) if engine == "naive" else args.dtype
         cmd = [sys.executable, "-m", "tokenflow", "bench", "--worker", engine, "--concurrency", concurrency,
                "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
-               "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt), "--dtype", args.dtype]
+               "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt), "--dtype", dtype]
         if args.model:
             cmd += ["--model", args.model]
         if args.settings:
@@ -271,7 +275,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         if proc.returncode != 0 or line is None:
             print(proc.stderr[-3000:], file=sys.stderr)
             raise SystemExit(f"bench worker {engine} failed (exit {proc.returncode})")
-        results.extend(json.loads(line[len("RESULT "):]))
+        results.extend({**r, "dtype": dtype} for r in json.loads(line[len("RESULT "):]))
     results.sort(key=lambda r: (r["concurrency"], r["engine"] != "naive"))
     _print_table(results)
     if args.json_out:
