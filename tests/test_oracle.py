@@ -38,11 +38,15 @@ async def run_concurrently(engine: Engine, prompts, max_tokens: int, stagger_s: 
     return [results[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("backend", ["hf", "paged"])
-async def test_greedy_equals_transformers_generate(tiny_model, backend) -> None:
+@pytest.mark.parametrize(("backend", "packed"), [("hf", False), ("paged", True), ("paged", False)])
+async def test_greedy_equals_transformers_generate(tiny_model, backend, packed) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     prompts = make_prompts(400, [3, 9, 17, 33, 64, 100, 150, 230, 301, 47])
-    async with Engine(tiny_model, backend=backend, max_num_seqs=8, max_batch_tokens=128) as engine:
+    async with Engine(tiny_model, backend=backend, max_num_seqs=8, max_batch_tokens=128,
+                      pack_cpu_weights=packed) as engine:
+        if backend == "paged":  # packed layers route their forward through oneDNN
+            linears = [m for m in engine._loop.backend.runner.model.modules() if type(m) is torch.nn.Linear]
+            assert linears and all(("forward" in vars(m)) == packed for m in linears)
         outputs = await run_concurrently(engine, prompts, max_tokens=24, stagger_s=0.01)
         assert engine.stats().get("kv_blocks_used", 0) == 0
     for prompt, got in zip(prompts, outputs):

@@ -66,6 +66,8 @@ class PagedBackend:
     def load(self, ctx: EngineContext, model: Any) -> None:
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
+        if self.config.pack_cpu_weights and device.type == "cpu" and not self.config.compile:
+            pack_linears(model)  # before sizing the KV pool from free memory: the packed copies take some
         per_block = KVCache.bytes_per_block(model.config, self.config.block_size, dtype)
         num_blocks = kv_pool_blocks(self.config, per_block, ctx.max_model_len, device)
         layers, kv_heads, head_dim = KVCache.geometry(model.config)
@@ -91,8 +93,6 @@ class PagedBackend:
             self.buckets = decode_buckets(self.config.max_num_seqs)
             self.scratch_block = num_blocks
             compile_mlps(model, set(self.buckets))
-        elif self.config.pack_cpu_weights and device.type == "cpu":
-            pack_linears(model)
         ctx.shared["block_pool"] = self.pool
         ctx.shared[self.config.kv_pool] = self.pool
         log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
