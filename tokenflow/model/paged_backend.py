@@ -21,6 +21,7 @@ from tokenflow.kv.kv_cache import KVCache
 from tokenflow.model.compiled import compile_mlps, decode_buckets, padded_size
 from tokenflow.model.packed_linear import pack_linears
 from tokenflow.model.paged_runner import PagedModelRunner, SeqChunk
+from tokenflow.model.rms_norm import fuse_rms_norms
 from tokenflow.protocols import EngineContext, StepPlan
 
 __all__ = ("PagedBackend", "create", "kv_pool_blocks")
@@ -66,6 +67,7 @@ class PagedBackend:
     def load(self, ctx: EngineContext, model: Any) -> None:
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
+        fuse_rms_norms(model)
         if self.config.pack_cpu_weights and device.type == "cpu" and not self.config.compile:
             pack_linears(model)  # before sizing the KV pool from free memory: the packed copies take some
         per_block = KVCache.bytes_per_block(model.config, self.config.block_size, dtype)

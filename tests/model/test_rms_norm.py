@@ -1,0 +1,38 @@
+"""`fuse_rms_norms` leaves every logit bit-identical in fp32 and touches nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tokenflow.model.rms_norm import fuse_rms_norms
+from tokenflow.testing import tiny_config
+
+
+def _model(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = tiny_config(arch, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.no_grad():  # norm weights start as ones, which would hide how the weight is applied
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize(("arch", "norms"), [("llama", 5), ("qwen2", 5), ("qwen3", 9), ("mistral", 5)])
+def test_fused_rms_norm_logits_are_bit_identical(arch: str, norms: int) -> None:
+    model = _model(arch)
+    ids = torch.randint(3, 500, (2, 37))
+    with torch.inference_mode():
+        want = model(ids).logits
+        assert fuse_rms_norms(model) == norms  # 2 per layer + the final one (+ q/k norms per layer in Qwen3)
+        got = model(ids).logits
+    assert torch.equal(got, want)
+
+
+def test_other_dtypes_keep_hf_forward() -> None:
+    model = _model("llama", torch.bfloat16)
+    assert fuse_rms_norms(model) == 0
+    assert not any("forward" in vars(m) for m in model.modules())
