@@ -84,7 +84,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     topk_budget: Positive = 1024  # topk: tokens (whole blocks) each decode query attends to
     warmup: bool = False  # run short requests at start (each decode batch size) so the first user request is fast
     compile: bool = False  # torch.compile the decoder layers' MLPs on padded, static decode batch sizes
-    pack_cpu_weights: bool = True  # paged on CPU: linear layers also keep a oneDNN-packed copy of their weight
+    pack_cpu_weights: bool = True  # paged on CPU in fp32: linear layers also keep a oneDNN-packed copy of their weight
     plugin_settings: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)  # by stage name, for plugins
     debug_leaks: bool = False  # an idle engine holding KV blocks dies (EngineError) instead of only logging
 

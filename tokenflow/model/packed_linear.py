@@ -28,7 +28,6 @@ log = logging.getLogger("tokenflow")
 
 PACK_FOR_ROWS = 128  # oneDNN picks the blocked layout for this many rows; any row count still works
 MIN_PACKED_ROWS = 2  # below this the plain weight is used
-_PACKABLE = (torch.float32,)
 
 
 def packing_available() -> bool:
@@ -58,9 +57,7 @@ def pack_linears(model: torch.nn.Module) -> int:
         if type(module) is not torch.nn.Linear:
             continue  # subclasses (quantized, LoRA, ...) keep their own forward
         weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype not in _PACKABLE:
-            continue
-        if module.bias is not None and module.bias.dtype != weight.dtype:
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
             continue
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
         module.forward = functools.partial(_packed_forward, module, packed)

@@ -67,9 +67,6 @@ class PagedBackend:
     def load(self, ctx: EngineContext, model: Any) -> None:
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
-        fuse_rms_norms(model)
-        if self.config.pack_cpu_weights and device.type == "cpu" and not self.config.compile:
-            pack_linears(model)  # before sizing the KV pool from free memory: the packed copies take some
         per_block = KVCache.bytes_per_block(model.config, self.config.block_size, dtype)
         num_blocks = kv_pool_blocks(self.config, per_block, ctx.max_model_len, device)
         layers, kv_heads, head_dim = KVCache.geometry(model.config)
@@ -91,10 +88,14 @@ class PagedBackend:
             window=self.config.window if sliding else None, sinks=self.config.sink_tokens,
             topk_budget=self.config.topk_budget if self.config.attention == "topk" else None,
         )
+        # Only once the runner has accepted the model, so that a refused one is left as it came.
+        fuse_rms_norms(model)
         if self.config.compile:
             self.buckets = decode_buckets(self.config.max_num_seqs)
             self.scratch_block = num_blocks
             compile_mlps(model, set(self.buckets))
+        elif self.config.pack_cpu_weights:
+            pack_linears(model)
         ctx.shared["block_pool"] = self.pool
         ctx.shared[self.config.kv_pool] = self.pool
         log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
