@@ -12,9 +12,9 @@ Fixtures:
 - `tokenflow_engine`: a started `Engine`, closed after the test. Async: it
   needs pytest-asyncio (or anyio's plugin) like the tests that use it.
 
-    async def test_my_route(tokenflow_engine):
-        app = create_my_app(engine=tokenflow_engine)
-        ...
+    async def test_four_tokens(tokenflow_engine):
+        done = await tokenflow_engine.generate("Hello", max_tokens=4, ignore_eos=True)
+        assert len(done.token_ids) == 4
 """
 
 from __future__ import annotations
