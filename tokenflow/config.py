@@ -85,6 +85,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     warmup: bool = False  # run short requests at start (each decode batch size) so the first user request is fast
     compile: bool = False  # torch.compile the decoder layers' MLPs on padded, static decode batch sizes
     pack_cpu_weights: bool = True  # paged on CPU in fp32: linear layers also keep a oneDNN-packed copy of their weight
+    cpu_keep_freed_memory: bool = True  # on CPU: glibc keeps freed memory for reuse (process-wide mallopt)
     plugin_settings: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)  # by stage name, for plugins
     debug_leaks: bool = False  # an idle engine holding KV blocks dies (EngineError) instead of only logging
 

@@ -11,6 +11,7 @@ import torch
 
 from tokenflow.config import EngineConfig
 from tokenflow.errors import ModelLoadError
+from tokenflow.model.malloc_tuning import keep_freed_memory
 
 __all__ = ("LoadedModel", "load_model", "resolve_device", "resolve_dtype")
 
@@ -54,6 +55,8 @@ def load_model(path: Path, config: EngineConfig) -> LoadedModel:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    if device.type == "cpu" and config.cpu_keep_freed_memory:
+        keep_freed_memory()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
