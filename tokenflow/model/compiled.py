@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tokenflow.model.gated_mlp import is_gated_silu_mlp
+
 __all__ = ("compile_mlps", "decode_buckets", "padded_size")
 
 log = logging.getLogger("tokenflow")
@@ -58,21 +60,13 @@ def compile_mlps(model: torch.nn.Module, row_counts: set[int]) -> int:
     compiled = torch.compile(_gated_mlp, dynamic=False, mode=mode)
     count = 0
     for module in model.modules():
-        if not _is_gated_silu_mlp(module):
+        if not is_gated_silu_mlp(module):
             continue
         module.forward = _routed(module, module.forward, compiled, row_counts)
         count += 1
     log.info("compile: %d MLPs routed through torch.compile for decode batches of %s rows",
              count, sorted(row_counts))
     return count
-
-
-def _is_gated_silu_mlp(module: torch.nn.Module) -> bool:
-    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(p, torch.nn.Linear) and p.bias is None for p in parts):
-        return False
-    act = getattr(module, "act_fn", None)  # torch's SiLU or transformers' SiLUActivation
-    return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
 def _routed(module: Any, eager: Callable[..., torch.Tensor], compiled: Callable[..., torch.Tensor],

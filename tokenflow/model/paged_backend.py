@@ -19,6 +19,7 @@ from tokenflow import registry
 from tokenflow.config import EngineConfig
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.model.compiled import compile_mlps, decode_buckets, padded_size
+from tokenflow.model.gated_mlp import inplace_gated_mlps
 from tokenflow.model.packed_linear import pack_linears
 from tokenflow.model.paged_runner import PagedModelRunner, SeqChunk
 from tokenflow.model.rms_norm import fuse_rms_norms
@@ -94,8 +95,10 @@ class PagedBackend:
             self.buckets = decode_buckets(self.config.max_num_seqs)
             self.scratch_block = num_blocks
             compile_mlps(model, set(self.buckets))
-        elif self.config.pack_cpu_weights:
-            pack_linears(model)
+        else:
+            inplace_gated_mlps(model)
+            if self.config.pack_cpu_weights:
+                pack_linears(model)
         ctx.shared["block_pool"] = self.pool
         ctx.shared[self.config.kv_pool] = self.pool
         log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
