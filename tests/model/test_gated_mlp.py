@@ -19,6 +19,9 @@ def test_inplace_mlp_logits_are_bit_identical(arch: str, dtype: torch.dtype) -> 
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     ids = torch.randint(3, 500, (2, 37))
     with torch.inference_mode():
+        # The first forward of a process can split its GEMMs differently (seen ~1 run in 7 when
+        # this test ran first): warm up so that only the MLP change is compared.
+        model(ids)
         want = model(ids).logits
         assert inplace_gated_mlps(model) == config.num_hidden_layers
         got = model(ids).logits
