@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -33,8 +34,9 @@ MMAP_THRESHOLD_BYTES = 32 * 2**20
 TRIM_THRESHOLD_BYTES = 2**30
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds; False where the C library is not glibc."""
+    """Raise glibc's mmap and trim thresholds, once per process; False where the C library is not glibc."""
     if not sys.platform.startswith("linux"):
         return False
     name = ctypes.util.find_library("c")

@@ -91,14 +91,13 @@ class PagedBackend:
         )
         # Only once the runner has accepted the model, so that a refused one is left as it came.
         fuse_rms_norms(model)
+        inplace_gated_mlps(model)  # with `compile`, the eager path of shapes it does not compile
         if self.config.compile:
             self.buckets = decode_buckets(self.config.max_num_seqs)
             self.scratch_block = num_blocks
             compile_mlps(model, set(self.buckets))
-        else:
-            inplace_gated_mlps(model)
-            if self.config.pack_cpu_weights:
-                pack_linears(model)
+        elif self.config.pack_cpu_weights:
+            pack_linears(model)
         ctx.shared["block_pool"] = self.pool
         ctx.shared[self.config.kv_pool] = self.pool
         log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
