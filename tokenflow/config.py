@@ -84,6 +84,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     topk_budget: Positive = 1024  # topk: tokens (whole blocks) each decode query attends to
     warmup: bool = False  # run short requests at start (each decode batch size) so the first user request is fast
     compile: bool = False  # torch.compile the decoder layers' MLPs on padded, static decode batch sizes
+    # paged, greedy requests: n-gram (prompt lookup) draft tokens verified per step (0: off)
+    speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
+    speculative_max_seqs: Positive = 4  # speculate only while at most this many requests run
     pack_cpu_weights: bool = True  # paged on CPU in fp32: linear layers also keep a oneDNN-packed copy of their weight
     cpu_keep_freed_memory: bool = True  # on CPU: glibc keeps freed memory for reuse (process-wide mallopt)
     plugin_settings: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)  # by stage name, for plugins
@@ -92,6 +95,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith(("cuda", "mps")):
             raise ValueError(f"`device` must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.speculative_tokens and self.attention != "dense":
+            raise ValueError("`speculative_tokens` needs attention='dense'")
 
     @classmethod
     def load(

@@ -69,15 +69,20 @@ class RequestStage(Protocol):
 
 @dataclass
 class ScheduledChunk:
-    """`num_tokens` new tokens of `request` to compute this step."""
+    """`num_tokens` new tokens of `request` to compute this step.
+
+    With a draft (n-gram speculation, `tokenflow.ngram_speculation`) the chunk is the request's last
+    known token followed by `draft`, and `num_tokens` counts both.
+    """
 
     request: Request
     num_tokens: int
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's known tokens."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_tokens - len(self.draft) == self.request.num_tokens
 
 
 @dataclass
@@ -111,7 +116,10 @@ class Batcher(Protocol):
       a request it preempts goes to `plan.preempted` after it has released
       its blocks and reset `num_computed_tokens` to 0 (its tokens are kept: it
       recomputes). The loop then advances `num_computed_tokens` of every chunk
-      and appends the sampled token of chunks that reach the end.
+      and appends the sampled token of chunks that reach the end. A chunk may
+      carry a `draft` of guessed next tokens (greedy requests only, blocks
+      reserved for them too): the loop keeps the verified part of it and
+      advances `num_computed_tokens` by the tokens kept.
     - `finish(request)`: the request ended (finished, aborted, failed); drop
       it and release its blocks. Must accept requests in any state, once.
     - `take_batch()`: the static variant (`hf`): requests to run to completion.

@@ -20,6 +20,7 @@ import collections
 import logging
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -30,6 +31,7 @@ from tokenflow.errors import EngineError
 from tokenflow.model.loader import LoadedModel
 from tokenflow.model.sampler import Sampler, SamplerOutput, row_of
 from tokenflow.model_thread import ModelThread
+from tokenflow.ngram_speculation import accepted_tokens
 from tokenflow.output import OutputProcessor
 from tokenflow.protocols import StepPlan
 from tokenflow.request import Request, RequestStatus
@@ -40,6 +42,14 @@ log = logging.getLogger("tokenflow")
 
 MAX_CONSECUTIVE_FAILURES = 3
 _RATE_WINDOW_S = 10.0
+
+
+@dataclass(slots=True)
+class StepTokens:
+    """What the model thread returns for a step."""
+
+    sampled: SamplerOutput  # one token per sampling chunk
+    draft_argmax: list[list[int]]  # per sampling chunk: the argmax after each of its draft tokens
 
 
 class KVLeakError(RuntimeError):
@@ -75,6 +85,8 @@ class StepLoop:
         self.num_aborted = 0
         self.num_failed = 0
         self.num_oom_recoveries = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
         self.last_step_ms = 0.0
         self.last_forward_ms = 0.0
         self._recent_tokens: collections.deque[tuple[float, int]] = collections.deque()
@@ -167,31 +179,54 @@ class StepLoop:
         self._notify_step(time.perf_counter() - started, True)
         self._failures = 0
         self.num_steps += 1
-        samplers = []
+        items: list[tuple[Request, int, Any]] = []
+        j = 0  # index of the sampling chunk
         for chunk in plan.chunks:
             request = chunk.request
-            if chunk.samples:
-                samplers.append(request)
-            request.num_computed_tokens += chunk.num_tokens
-        items = [
-            (request, token, result.logprobs[i] if result.logprobs is not None else None)
-            for i, (request, token) in enumerate(zip(samplers, result.token_ids))
-        ]
+            if not chunk.samples:
+                request.num_computed_tokens += chunk.num_tokens
+                continue
+            sampled = result.sampled
+            logprob = sampled.logprobs[j] if sampled.logprobs is not None else None
+            tokens = [sampled.token_ids[j]]
+            if chunk.draft:
+                tokens = accepted_tokens(tokens[0], chunk.draft, result.draft_argmax[j])
+                self.num_draft_tokens += len(chunk.draft)
+                self.num_accepted_draft_tokens += len(tokens) - 1
+            # The KV cache now holds the known token and the accepted part of the draft.
+            request.num_computed_tokens += chunk.num_tokens - len(chunk.draft) + len(tokens) - 1
+            items.append((request, tokens[0], logprob))
+            items.extend((request, token, None) for token in tokens[1:])
+            j += 1
         self._accept_tokens(items)
         self.last_step_ms = (time.perf_counter() - started) * 1e3
         if plan.num_tokens == len(plan.chunks):  # a decode-only step: track its time by batch size
             recent = self._decode_step_ms.setdefault(len(plan.chunks), collections.deque(maxlen=256))
             recent.append((self.last_step_ms, self.last_forward_ms))
 
-    def _execute(self, plan: StepPlan) -> SamplerOutput:
-        """Model thread: forward + sample."""
+    def _execute(self, plan: StepPlan) -> StepTokens:
+        """Model thread: forward + sample (+ the argmax after each draft token)."""
         t0 = time.perf_counter()
         logits = self.backend.execute(plan)
         self.last_forward_ms = (time.perf_counter() - t0) * 1e3
-        rows = [row_of(c.request) for c in plan.chunks if c.samples]
+        sampling = [c for c in plan.chunks if c.samples]
+        rows = [row_of(c.request) for c in sampling]
         if not rows:
-            return SamplerOutput(token_ids=[], logprobs=None)
-        return self.sampler.sample(logits, rows)
+            return StepTokens(SamplerOutput(token_ids=[], logprobs=None), [])
+        if not any(c.draft for c in sampling):
+            return StepTokens(self.sampler.sample(logits, rows), [[] for _ in rows])
+        first: list[int] = []  # each sampling chunk's row of logits for its known token
+        row = 0
+        for c in sampling:
+            first.append(row)
+            row += 1 + len(c.draft)
+        following = logits[[r + 1 + i for r, c in zip(first, sampling) for i in range(len(c.draft))]]
+        argmax = following.argmax(-1).tolist() if following.shape[0] else []
+        per_chunk: list[list[int]] = []
+        for c in sampling:
+            per_chunk.append(argmax[: len(c.draft)])
+            argmax = argmax[len(c.draft):]
+        return StepTokens(self.sampler.sample(logits[first], rows), per_chunk)
 
     async def _run_static_batch(self) -> None:
         try:
@@ -306,6 +341,8 @@ class StepLoop:
             "num_aborted": self.num_aborted,
             "num_failed": self.num_failed,
             "num_oom_recoveries": self.num_oom_recoveries,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
             "step_time_ms": round(self.last_step_ms, 2),
             "forward_time_ms": round(self.last_forward_ms, 2),
             "tokens_per_s": round(sum(n for _, n in recent) / span, 1) if span > 0 else 0.0,

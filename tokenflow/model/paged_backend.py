@@ -104,17 +104,20 @@ class PagedBackend:
                  self.kv_bytes / 2**20)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Blocking: one forward; logits [num_sampling_chunks, vocab] in plan order."""
+        """Blocking: one forward; logits in plan order, one row per sampling chunk plus one per draft token."""
         assert self.runner is not None
         chunks = []
         for c in plan.chunks:
             r = c.request
             start = r.num_computed_tokens
-            if c.num_tokens == 1 and start == r.num_tokens - 1 and r.output_token_ids:
+            known = c.num_tokens - len(c.draft)
+            if known == 1 and start == r.num_tokens - 1 and r.output_token_ids:
                 tokens = [r.output_token_ids[-1]]  # the common decode case, no list concat
             else:
-                tokens = r.all_token_ids[start:start + c.num_tokens]
-            chunks.append(SeqChunk(tokens, start, r.block_table, c.samples))
+                tokens = r.all_token_ids[start:start + known]
+            if c.draft:  # verified in the same forward: the logits of every draft position are kept
+                tokens = tokens + c.draft
+            chunks.append(SeqChunk(tokens, start, r.block_table, c.samples, 1 + len(c.draft)))
         if self.buckets and plan.num_tokens == len(chunks):  # decode-only: pad to a static batch size
             pad = padded_size(len(chunks), self.buckets) - len(chunks)
             chunks.extend(SeqChunk([0], 0, [self.scratch_block], False) for _ in range(pad))

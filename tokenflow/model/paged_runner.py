@@ -51,6 +51,7 @@ class SeqChunk:
     start_pos: int  # this sequence's tokens already in the KV cache (positions start_pos .. +len-1)
     block_table: list[int]  # the sequence's blocks, covering at least start_pos + len(token_ids) tokens
     sample: bool  # whether the logits of the last token are wanted
+    num_logits: int = 1  # with `sample`: logits of this many last tokens (a draft being verified)
 
 
 @dataclass(slots=True)
@@ -195,7 +196,8 @@ class PagedModelRunner:
 
     # ------------------------------------------------------------------ step
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """One forward over `chunks`; returns float32 logits `[num_sampled, vocab]` in chunk order."""
+        """One forward over `chunks`; returns float32 logits `[rows, vocab]`: `num_logits` rows per
+        sampling chunk, in chunk order."""
         step = self.prepare(chunks, self.kv_cache)
         return self._forward(step)
 
@@ -225,6 +227,8 @@ class PagedModelRunner:
                 raise ValueError(f"chunk {i} has no tokens")
             if c.start_pos < 0:
                 raise ValueError(f"chunk {i} has a negative start_pos")
+            if not 1 <= c.num_logits <= n:
+                raise ValueError(f"chunk {i} asks for the logits of {c.num_logits} of its {n} tokens")
             if len(c.block_table) * bs < c.start_pos + n:
                 raise ValueError(
                     f"chunk {i}: {len(c.block_table)} blocks of {bs} cannot hold {c.start_pos + n} tokens"
@@ -320,7 +324,10 @@ class PagedModelRunner:
             row += 1
             max_context = max(max_context, p + 1)
 
-        keep = [last_row[i] for i, c in enumerate(chunks) if c.sample]
+        keep: list[int] = []
+        for i, c in enumerate(chunks):
+            if c.sample:
+                keep.extend(range(last_row[i] - c.num_logits + 1, last_row[i] + 1))
         meta = PagedAttentionMetadata(
             kv_cache=kv_cache,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),

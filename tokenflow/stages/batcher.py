@@ -32,6 +32,7 @@ from typing import Any
 
 from tokenflow.config import EngineConfig
 from tokenflow.errors import InvalidRequest, Overloaded
+from tokenflow.ngram_speculation import can_speculate, propose_draft
 from tokenflow.protocols import EngineContext, ScheduledChunk, StepPlan
 from tokenflow.request import Request, RequestStatus
 
@@ -54,6 +55,8 @@ class BucketingBatcher:
         self.high_watermark = config.kv_high_watermark
         self.low_watermark = config.kv_low_watermark
         self.max_queue = config.max_queue
+        self.speculative_tokens = config.speculative_tokens
+        self.speculative_max_seqs = config.speculative_max_seqs
         self.bucket_edges = sorted(config.length_buckets)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -118,6 +121,7 @@ class BucketingBatcher:
         plan = StepPlan()
         budget = self.max_batch_tokens
         scheduled: set[int] = set()
+        speculate = self.speculative_tokens > 0 and len(self.running) <= self.speculative_max_seqs
         for request in sorted(self.running, key=_order):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -127,9 +131,11 @@ class BucketingBatcher:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
+            draft = self._draft(request, budget) if speculate and num_new == 1 else []
+            num_new += len(draft)
             if not self._reserve(request, num_new, plan, scheduled):
                 continue
-            plan.chunks.append(ScheduledChunk(request, num_new))
+            plan.chunks.append(ScheduledChunk(request, num_new, draft))
             scheduled.add(id(request))
             budget -= num_new
         pool = self.pool
@@ -171,6 +177,22 @@ class BucketingBatcher:
             budget -= num_new
         self.last_schedule_us = (time.perf_counter() - started) * 1e6
         return plan
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """Guessed next tokens of a decoding request (n-gram lookup in its context), within the step's
+        token budget, its token limits and the free blocks (a draft never preempts anyone)."""
+        params = request.params
+        num_out = len(request.output_token_ids)
+        if not can_speculate(params, num_out):
+            return []
+        room = min(self.speculative_tokens, budget - 1, params.max_tokens - num_out - 1,
+                   self.max_model_len - request.num_tokens)
+        draft = propose_draft(request.all_token_ids, room)
+        if draft:
+            needed = self.pool.blocks_needed(request.num_computed_tokens + 1 + len(draft)) - len(request.block_table)
+            if needed > 0 and not self.pool.can_allocate(needed):
+                return []
+        return draft
 
     def _reserve(self, request: Request, num_new: int, plan: StepPlan, scheduled: set[int]) -> bool:
         """Give `request` blocks for `num_new` more tokens, preempting others if needed."""
