@@ -10,12 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.test_oracle import hf_greedy
 from tokenflow import Engine
 from tokenflow.errors import ConfigError
 from tokenflow.ngram_speculation import accepted_tokens, can_speculate, propose_draft
 from tokenflow.params import SamplingParams
-
-from tests.test_oracle import hf_greedy
 
 
 def test_draft_follows_the_latest_occurrence_of_the_longest_suffix() -> None:
@@ -64,7 +63,7 @@ def _repetitive_prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]
         phrase = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 9))]
         prompt: list[int] = []
         for _ in range(rng.randrange(2, 6)):
-            prompt += phrase + [rng.randrange(3, vocab)]
+            prompt += [*phrase, rng.randrange(3, vocab)]
         prompts.append(prompt)
     return prompts
 

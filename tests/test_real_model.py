@@ -86,3 +86,32 @@ async def test_greedy_oracle_on_the_real_model(real_model, real_hf_model, backen
         ours_tops = [lp.top for lp in done.logprobs]
         identical += check_logprobs_close(done.token_ids, ours_tops, ref_tokens, ref_tops, f"prompt {i}")
     assert identical >= len(prompts) - 2, f"only {identical}/{len(prompts)} identical"
+
+
+async def test_speculative_greedy_on_the_real_model(real_model, real_hf_model) -> None:
+    """n-gram speculation on bench-like chat prompts: the tokens of transformers' greedy generate;
+    where a near tie flips one, the two tokens' reference logprobs are within 0.1."""
+    from tokenflow.bench import make_workload
+
+    model, tokenizer = real_hf_model
+    prompts = make_workload(tokenizer, 6, 20, 300)
+    max_new = 32
+    async with Engine(real_model, speculative_tokens=3, max_num_seqs=4, debug_leaks=True) as engine:
+        done = [await engine.generate(p, max_tokens=max_new, temperature=0.0) for p in prompts]
+        stats = engine.stats()
+    assert stats["num_accepted_draft_tokens"] >= 0.2 * stats["num_draft_tokens"] > 0, stats
+    identical = 0
+    for i, (prompt, result) in enumerate(zip(prompts, done)):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+        ref = out.sequences[0, len(prompt):].tolist()
+        flips = [j for j, (a, b) in enumerate(zip(result.token_ids, ref)) if a != b]
+        if not flips:
+            identical += 1
+            continue
+        j = flips[0]
+        lp = torch.log_softmax(out.scores[j][0].float(), -1)
+        gap = (lp[ref[j]] - lp[result.token_ids[j]]).item()
+        assert gap < 0.1, f"prompt {i}: diverged at {j} with a logprob gap of {gap:.3f}"
+    assert identical >= len(prompts) - 1, f"only {identical}/{len(prompts)} identical"

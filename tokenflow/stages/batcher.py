@@ -20,6 +20,11 @@ prefix (`match_prefix`): shared blocks need no compute and no new memory. A
 request whose prefix is still loading from the disk tier waits and the ones
 behind it go first, so the batcher prefers requests whose prefix is resident.
 
+With `speculative_tokens`, a decoding greedy request (while at most
+`speculative_max_seqs` run) gets a draft of guessed next tokens from n-gram
+lookup in its own context (`tokenflow.ngram_speculation`), scheduled with
+its last token in the same chunk, when budget and free blocks allow.
+
 Static batching (the `hf` backend) takes a batch of waiting requests from one
 prompt-length bucket so padding stays small.
 """
