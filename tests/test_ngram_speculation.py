@@ -3,6 +3,7 @@ greedy outputs with speculation on, which must equal transformers' generate and 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import anyio
@@ -96,26 +97,58 @@ async def test_speculative_greedy_equals_transformers_generate(tiny_model) -> No
         assert result.token_ids == hf_greedy(model, prompt, 24)
 
 
-async def test_speculation_stops_where_plain_decoding_stops(tiny_model) -> None:
-    """A stop token inside an accepted draft ends the request there; sampled requests sharing the
-    batch are not speculated and keep their seeded tokens."""
+async def test_sampled_requests_are_not_speculated(tiny_model) -> None:
+    """Seeded sampled requests sharing the batch with drafted greedy ones keep their tokens."""
     prompts = _repetitive_prompts(400, 6, seed=1)
     outputs = {}
     for k in (0, 3):
         async with Engine(tiny_model, speculative_tokens=k, max_num_seqs=8, debug_leaks=True) as engine:
-            free = await _generate_all(engine, prompts, max_tokens=20, temperature=0.0, ignore_eos=True)
-            stops = [r.token_ids[min(7, len(r.token_ids) - 1)] for r in free]
-            stopped = [
-                await engine.generate(p, max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[s])
-                for p, s in zip(prompts, stops)
-            ]
+            greedy = await _generate_all(engine, prompts, max_tokens=20, temperature=0.0, ignore_eos=True)
             sampled = await _generate_all(engine, prompts, max_tokens=12, temperature=0.8, seed=7)
-            outputs[k] = (
-                [r.token_ids for r in free],
-                [(r.token_ids, r.finish_reason) for r in stopped],
-                [r.token_ids for r in sampled],
-            )
+            outputs[k] = ([r.token_ids for r in greedy], [r.token_ids for r in sampled])
             drafted = engine.stats()["num_draft_tokens"]
         assert (drafted > 0) == (k > 0)
     assert outputs[3] == outputs[0]
-    assert all(reason == "stop" for _, reason in outputs[3][1])
+
+
+async def test_a_request_ending_inside_an_accepted_draft(tiny_model, monkeypatch) -> None:
+    """Drafts from an oracle (the plain greedy output, one guess in three spoiled) so that long drafts
+    are accepted: a stop token inside one ends the request right there, a stream closed mid-way
+    frees everything, and small blocks make those ends fall short of the drafts' last blocks."""
+    prompts = _repetitive_prompts(400, 4, seed=1)
+    async with Engine(tiny_model, block_size=4) as engine:
+        ref = [(await engine.generate(p, max_tokens=20, temperature=0.0, ignore_eos=True)).token_ids
+               for p in prompts]
+    calls = itertools.count()
+
+    def oracle_draft(tokens: list[int], max_draft: int) -> list[int]:
+        for prompt, out in zip(prompts, ref):
+            if tokens[: len(prompt)] == prompt:
+                draft = out[len(tokens) - len(prompt):][:max_draft]
+                if draft and next(calls) % 3 == 2:
+                    draft[-1] = (draft[-1] + 1) % 400
+                return draft
+        return []
+
+    monkeypatch.setattr("tokenflow.stages.batcher.propose_draft", oracle_draft)
+    async with Engine(tiny_model, speculative_tokens=3, block_size=4, debug_leaks=True) as engine:
+        for prompt, out in zip(prompts, ref):
+            for j in range(12):
+                done = await engine.generate(prompt, max_tokens=20, temperature=0.0, ignore_eos=True,
+                                             stop_token_ids=[out[j]])
+                end = out.index(out[j]) + 1
+                assert (done.token_ids, done.finish_reason) == (out[:end], "stop")
+            for wanted in range(1, 5):  # closed after 1..4 chunks: aborts land between and during steps
+                stream = engine.stream(prompt, max_tokens=20, temperature=0.0, ignore_eos=True)
+                seen = 0
+                async for _chunk in stream:
+                    seen += 1
+                    if seen == wanted:
+                        break
+                await stream.aclose()
+        again = await engine.generate(prompts[0], max_tokens=20, temperature=0.0, ignore_eos=True)
+        stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0
+    assert stats["num_accepted_draft_tokens"] > stats["num_draft_tokens"] / 2
+    assert again.token_ids == ref[0]
+    assert not stats["dead"]

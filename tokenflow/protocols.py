@@ -152,7 +152,9 @@ class ModelBackend(Protocol):
 class StepBackend(ModelBackend, Protocol):
     """A backend the step loop drives one step at a time (`static = False`, e.g. `paged`).
 
-    `execute` runs in a worker thread and returns the logits `[num_sampling_chunks, vocab]`.
+    `execute` runs in a worker thread and returns the logits of the plan's sampling chunks in plan
+    order: one row each, plus, for a chunk with a `draft`, one row per draft token (the logits after
+    it), so that the loop can verify the draft.
     """
 
     static: bool

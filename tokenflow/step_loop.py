@@ -52,6 +52,12 @@ class StepTokens:
     draft_argmax: list[list[int]]  # per sampling chunk: the argmax after each of its draft tokens
 
 
+def _drop_untaken_draft(request: Request) -> None:
+    """Keep `num_computed_tokens <= num_tokens` for a request that ended inside a verified draft (a stop
+    token, or an abort during the step): the draft tokens past its end were computed but never taken."""
+    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+
+
 class KVLeakError(RuntimeError):
     """An idle engine still references KV blocks (raised only with `debug_leaks`)."""
 
@@ -220,7 +226,8 @@ class StepLoop:
         for c in sampling:
             first.append(row)
             row += 1 + len(c.draft)
-        following = logits[[r + 1 + i for r, c in zip(first, sampling) for i in range(len(c.draft))]]
+        draft_rows = [r + 1 + i for r, c in zip(first, sampling) for i in range(len(c.draft))]
+        following = logits[draft_rows, : self.sampler.vocab_size]  # columns past the vocab are padding
         argmax = following.argmax(-1).tolist() if following.shape[0] else []
         per_chunk: list[list[int]] = []
         for c in sampling:
@@ -263,9 +270,11 @@ class StepLoop:
         count = 0
         for request, token, logprob in items:
             if request.status is RequestStatus.FINISHED:
-                continue  # aborted while the step ran
+                _drop_untaken_draft(request)  # aborted while the step ran, or ended by an earlier token
+                continue
             count += 1
             if self.output.append(request, token, logprob):
+                _drop_untaken_draft(request)
                 self.batcher.finish(request)
                 self.num_finished += 1
                 self._notify_end(request, "completed")

@@ -185,7 +185,8 @@ class BucketingBatcher:
 
     def _draft(self, request: Request, budget: int) -> list[int]:
         """Guessed next tokens of a decoding request (n-gram lookup in its context), within the step's
-        token budget, its token limits and the free blocks (a draft never preempts anyone)."""
+        token budget and its token limits. A draft only takes blocks while a free block per running
+        request remains, so that drafts do not push the other requests' decodes into preemption."""
         params = request.params
         num_out = len(request.output_token_ids)
         if not can_speculate(params, num_out):
@@ -195,7 +196,7 @@ class BucketingBatcher:
         draft = propose_draft(request.all_token_ids, room)
         if draft:
             needed = self.pool.blocks_needed(request.num_computed_tokens + 1 + len(draft)) - len(request.block_table)
-            if needed > 0 and not self.pool.can_allocate(needed):
+            if needed > 0 and not self.pool.can_allocate(needed + len(self.running)):
                 return []
         return draft
 
