@@ -111,6 +111,22 @@ async def test_sampled_requests_are_not_speculated(tiny_model) -> None:
     assert outputs[3] == outputs[0]
 
 
+def _oracle_drafts(prompts: list[list[int]], outputs: list[list[int]]):
+    """A stand-in for `propose_draft` that knows each prompt's greedy output and spoils one guess in three."""
+    calls = itertools.count()
+
+    def propose(tokens: list[int], max_draft: int) -> list[int]:
+        for prompt, out in zip(prompts, outputs):
+            if tokens[: len(prompt)] == prompt:
+                draft = out[len(tokens) - len(prompt):][:max_draft]
+                if draft and next(calls) % 3 == 2:
+                    draft[-1] = (draft[-1] + 1) % 400
+                return draft
+        return []
+
+    return propose
+
+
 async def test_a_request_ending_inside_an_accepted_draft(tiny_model, monkeypatch) -> None:
     """Drafts from an oracle (the plain greedy output, one guess in three spoiled) so that long drafts
     are accepted: a stop token inside one ends the request right there, a stream closed mid-way
@@ -119,18 +135,7 @@ async def test_a_request_ending_inside_an_accepted_draft(tiny_model, monkeypatch
     async with Engine(tiny_model, block_size=4) as engine:
         ref = [(await engine.generate(p, max_tokens=20, temperature=0.0, ignore_eos=True)).token_ids
                for p in prompts]
-    calls = itertools.count()
-
-    def oracle_draft(tokens: list[int], max_draft: int) -> list[int]:
-        for prompt, out in zip(prompts, ref):
-            if tokens[: len(prompt)] == prompt:
-                draft = out[len(tokens) - len(prompt):][:max_draft]
-                if draft and next(calls) % 3 == 2:
-                    draft[-1] = (draft[-1] + 1) % 400
-                return draft
-        return []
-
-    monkeypatch.setattr("tokenflow.stages.batcher.propose_draft", oracle_draft)
+    monkeypatch.setattr("tokenflow.stages.batcher.propose_draft", _oracle_drafts(prompts, ref))
     async with Engine(tiny_model, speculative_tokens=3, block_size=4, debug_leaks=True) as engine:
         for prompt, out in zip(prompts, ref):
             for j in range(12):
@@ -152,3 +157,23 @@ async def test_a_request_ending_inside_an_accepted_draft(tiny_model, monkeypatch
     assert stats["num_accepted_draft_tokens"] > stats["num_draft_tokens"] / 2
     assert again.token_ids == ref[0]
     assert not stats["dead"]
+
+
+async def test_speculation_under_preemption(tiny_model, monkeypatch) -> None:
+    """KV blocks run out while drafted requests decode: preempted ones recompute and every output
+    still equals plain greedy decoding."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(5, 400) for _ in range(rng.randint(20, 60))] for _ in range(8)]
+    async with Engine(tiny_model, num_kv_blocks=256) as engine:
+        ref = await _generate_all(engine, prompts, max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref_tokens = [r.token_ids for r in ref]
+    monkeypatch.setattr("tokenflow.stages.batcher.propose_draft", _oracle_drafts(prompts, ref_tokens))
+    # 8 sequences of up to 100 tokens need up to 56 blocks: 20 forces preemption mid-decode.
+    async with Engine(tiny_model, speculative_tokens=3, speculative_max_seqs=8, max_num_seqs=8,
+                      max_batch_tokens=128, num_kv_blocks=20, kv_high_watermark=1.0, debug_leaks=True) as engine:
+        done = await _generate_all(engine, prompts, max_tokens=40, temperature=0.0, ignore_eos=True)
+        stats = engine.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_accepted_draft_tokens"] > 0
+    assert stats["kv_blocks_used"] == 0
+    assert [r.token_ids for r in done] == ref_tokens
