@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tokenflow.model.sampler import has_penalty
 from tokenflow.params import SamplingParams
 
 __all__ = ("MAX_NGRAM", "accepted_tokens", "can_speculate", "propose_draft")
@@ -30,14 +31,12 @@ def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
     return (
         params.greedy
         and params.logprobs is None
-        and params.repetition_penalty == 1.0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
+        and not has_penalty(params)
         and num_output_tokens >= params.min_tokens
     )
 
 
-def propose_draft(tokens: Sequence[int], max_draft: int) -> list[int]:
+def propose_draft(tokens: list[int], max_draft: int) -> list[int]:
     """Up to `max_draft` tokens that followed the latest earlier occurrence of the longest suffix of
     `tokens` (MAX_NGRAM tokens down to one) found earlier in `tokens`; [] when none recurs."""
     length = len(tokens)
@@ -47,10 +46,10 @@ def propose_draft(tokens: Sequence[int], max_draft: int) -> list[int]:
     # End positions of earlier occurrences of the last token, latest first.
     ends = [i for i in range(length - 2, -1, -1) if tokens[i] == last]
     for n in range(min(MAX_NGRAM, length - 1), 0, -1):
-        suffix = list(tokens[length - n:])
+        suffix = tokens[length - n:]
         for end in ends:
-            if end + 1 >= n and list(tokens[end + 1 - n:end + 1]) == suffix:
-                return list(tokens[end + 1:end + 1 + max_draft])
+            if end + 1 >= n and tokens[end + 1 - n:end + 1] == suffix:
+                return tokens[end + 1:end + 1 + max_draft]
     return []
 
 

@@ -52,10 +52,9 @@ class StepTokens:
     draft_argmax: list[list[int]]  # per sampling chunk: the argmax after each of its draft tokens
 
 
-def _drop_untaken_draft(request: Request) -> None:
-    """Keep `num_computed_tokens <= num_tokens` for a request that ended inside a verified draft (a stop
-    token, or an abort during the step): the draft tokens past its end were computed but never taken."""
-    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+# (request, token, logprob, in_cache): a taken token, and whether its K/V is already in the cache
+# (an accepted draft token, computed in the step that verified it).
+TokenItem = tuple[Request, int, Any, bool]
 
 
 class KVLeakError(RuntimeError):
@@ -185,12 +184,14 @@ class StepLoop:
         self._notify_step(time.perf_counter() - started, True)
         self._failures = 0
         self.num_steps += 1
-        items: list[tuple[Request, int, Any]] = []
+        items: list[TokenItem] = []
         j = 0  # index of the sampling chunk
         for chunk in plan.chunks:
             request = chunk.request
-            if not chunk.samples:
-                request.num_computed_tokens += chunk.num_tokens
+            samples = chunk.samples  # read before the request advances
+            # Draft positions count as computed only as their tokens are taken (in _accept_tokens).
+            request.num_computed_tokens += chunk.num_tokens - len(chunk.draft)
+            if not samples:
                 continue
             sampled = result.sampled
             logprob = sampled.logprobs[j] if sampled.logprobs is not None else None
@@ -199,10 +200,9 @@ class StepLoop:
                 tokens = accepted_tokens(tokens[0], chunk.draft, result.draft_argmax[j])
                 self.num_draft_tokens += len(chunk.draft)
                 self.num_accepted_draft_tokens += len(tokens) - 1
-            # The KV cache now holds the known token and the accepted part of the draft.
-            request.num_computed_tokens += chunk.num_tokens - len(chunk.draft) + len(tokens) - 1
-            items.append((request, tokens[0], logprob))
-            items.extend((request, token, None) for token in tokens[1:])
+            # Every taken token but the last was also a draft position: its K/V is in the cache.
+            items.extend((request, token, logprob if k == 0 else None, k < len(tokens) - 1)
+                         for k, token in enumerate(tokens))
             j += 1
         self._accept_tokens(items)
         self.last_step_ms = (time.perf_counter() - started) * 1e3
@@ -221,19 +221,14 @@ class StepLoop:
             return StepTokens(SamplerOutput(token_ids=[], logprobs=None), [])
         if not any(c.draft for c in sampling):
             return StepTokens(self.sampler.sample(logits, rows), [[] for _ in rows])
+        argmax = logits[:, : self.sampler.vocab_size].argmax(-1).tolist()  # columns past the vocab are padding
         first: list[int] = []  # each sampling chunk's row of logits for its known token
         row = 0
         for c in sampling:
             first.append(row)
             row += 1 + len(c.draft)
-        draft_rows = [r + 1 + i for r, c in zip(first, sampling) for i in range(len(c.draft))]
-        following = logits[draft_rows, : self.sampler.vocab_size]  # columns past the vocab are padding
-        argmax = following.argmax(-1).tolist() if following.shape[0] else []
-        per_chunk: list[list[int]] = []
-        for c in sampling:
-            per_chunk.append(argmax[: len(c.draft)])
-            argmax = argmax[len(c.draft):]
-        return StepTokens(self.sampler.sample(logits[first], rows), per_chunk)
+        after_draft = [argmax[r + 1:r + 1 + len(c.draft)] for r, c in zip(first, sampling)]
+        return StepTokens(self.sampler.sample(logits[first], rows), after_draft)
 
     async def _run_static_batch(self) -> None:
         try:
@@ -246,7 +241,8 @@ class StepLoop:
             return
 
         def on_tokens(items: list[tuple[Request, int, Any]]) -> None:
-            anyio.from_thread.run_sync(self._accept_tokens, items)
+            taken = [(request, token, logprob, False) for request, token, logprob in items]
+            anyio.from_thread.run_sync(self._accept_tokens, taken)
 
         started = time.perf_counter()
         try:
@@ -265,16 +261,16 @@ class StepLoop:
         self.num_steps += 1
         self.last_step_ms = (time.perf_counter() - started) * 1e3
 
-    def _accept_tokens(self, items: list[tuple[Request, int, Any]]) -> None:
+    def _accept_tokens(self, items: list[TokenItem]) -> None:
         now = time.monotonic()
         count = 0
-        for request, token, logprob in items:
+        for request, token, logprob, in_cache in items:
             if request.status is RequestStatus.FINISHED:
-                _drop_untaken_draft(request)  # aborted while the step ran, or ended by an earlier token
-                continue
+                continue  # aborted while the step ran, or ended by an earlier token of its draft
             count += 1
+            if in_cache:
+                request.num_computed_tokens += 1
             if self.output.append(request, token, logprob):
-                _drop_untaken_draft(request)
                 self.batcher.finish(request)
                 self.num_finished += 1
                 self._notify_end(request, "completed")

@@ -164,8 +164,7 @@ class TokenPool(BlockPool):
     def commit(self, request: Request) -> None:
         if not self.prefix_caching:
             return
-        computed = min(request.num_computed_tokens, request.num_tokens)  # never hash past the known tokens
-        upto = min(computed // self.block_size, len(request.block_table))
+        upto = min(request.num_computed_tokens // self.block_size, len(request.block_table))
         if upto <= request.num_committed_blocks:
             return
         keys = self.keys(request, upto * self.block_size)

@@ -24,7 +24,7 @@ import torch
 from tokenflow.params import SamplingParams, TokenLogprob
 from tokenflow.request import Request
 
-__all__ = ("Sampler", "SamplerOutput", "SamplingRow", "make_generator", "row_of")
+__all__ = ("Sampler", "SamplerOutput", "SamplingRow", "has_penalty", "make_generator", "row_of")
 
 _GREEDY_EPS = 1e-5  # as vLLM: dividing by a smaller temperature overflows fp32, so treat it as greedy
 _STAGES = (64, 1024, 8192)  # candidate counts tried before a full sort for top-k / top-p rows
@@ -139,7 +139,7 @@ class Sampler:
 
     def _adjusts(self, r: SamplingRow) -> bool:
         p = r.params
-        return len(r.output_token_ids) < p.min_tokens or _has_penalty(p)
+        return len(r.output_token_ids) < p.min_tokens or has_penalty(p)
 
     def _adjust(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """min_tokens mask, then repetition, frequency and presence penalties, in place on `x` (row j of
@@ -278,7 +278,7 @@ class Sampler:
         return out
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
