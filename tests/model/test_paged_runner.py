@@ -26,6 +26,7 @@ from transformers import (
 from tokenflow.errors import ModelLoadError
 from tokenflow.kv.block_pool import BlockPool
 from tokenflow.kv.kv_cache import KVCache
+from tokenflow.model import matmul_attention
 from tokenflow.model.attention import UnsupportedAttentionFeature
 from tokenflow.model.paged_runner import PagedModelRunner, SeqChunk
 
@@ -112,6 +113,34 @@ def test_mixed_batch_matches_model_forward(name: str) -> None:
         if not plan:
             break
     assert seqs["long"].cached == 37 and seqs["b"].cached == 11
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-mha", "qwen3"])
+def test_bf16_cpu_attention_is_transformers_eager_arithmetic(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on CPU attends with bf16 matmuls: the same numbers as transformers' eager attention."""
+    monkeypatch.setattr(matmul_attention, "QUERY_TILE", 4)  # chunks of 5-10 tokens span several tiles
+    model = build(name, torch.bfloat16)
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    runner, pool = make_runner(model)
+    assert runner.matmul_attention and runner.last_self_check_error == 0.0
+    g = torch.Generator().manual_seed(4)
+    full = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (29, 7, 16)]
+    refs = [reference_logits(ref, tokens) for tokens in full]
+    seqs = [Seq(full[0][:29]), Seq(full[1][:5]), Seq(full[2][:9])]
+    compared = 0
+    for _ in range(12):  # chunks of up to 10 at growing offsets, next to decodes of different lengths
+        active = [i for i, s in enumerate(seqs) if s.cached < len(full[i])]
+        if not active:
+            break
+        chunks = [seqs[i].chunk(pool, 10) for i in active]
+        logits = runner.execute(chunks)
+        for row, (i, c) in zip(logits, [(i, c) for i, c in zip(active, chunks) if c.sample]):
+            assert torch.equal(row, refs[i][c.start_pos + len(c.token_ids) - 1]), f"{name} seq {i} at {c.start_pos}"
+            compared += 1
+            if len(seqs[i].tokens) < len(full[i]):
+                seqs[i].tokens.append(full[i][len(seqs[i].tokens)])
+    assert compared == 12 and all(s.cached == len(t) for s, t in zip(seqs, full))  # 1 + 3 + 8 rows
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])

@@ -1,4 +1,4 @@
-"""`fuse_rms_norms` leaves every logit bit-identical in fp32 and touches nothing else."""
+"""`fuse_rms_norms` leaves every logit bit-identical, in fp32 and bf16, and touches nothing else."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ def _model(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("arch", "norms"), [("llama", 5), ("qwen2", 5), ("qwen3", 9), ("mistral", 5)])
-def test_fused_rms_norm_logits_are_bit_identical(arch: str, norms: int) -> None:
-    model = _model(arch)
+def test_fused_rms_norm_logits_are_bit_identical(arch: str, norms: int, dtype: torch.dtype) -> None:
+    model = _model(arch, dtype)
     ids = torch.randint(3, 500, (2, 37))
     with torch.inference_mode():
         want = model(ids).logits
@@ -32,7 +33,13 @@ def test_fused_rms_norm_logits_are_bit_identical(arch: str, norms: int) -> None:
     assert torch.equal(got, want)
 
 
-def test_other_dtypes_keep_hf_forward() -> None:
-    model = _model("llama", torch.bfloat16)
+def test_other_norms_keep_their_forward() -> None:
+    class OtherRMSNorm(torch.nn.Module):  # same shape, a class not known to compute the same thing
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+            self.variance_epsilon = 1e-6
+
+    model = torch.nn.Sequential(OtherRMSNorm(), torch.nn.LayerNorm(8))
     assert fuse_rms_norms(model) == 0
     assert not any("forward" in vars(m) for m in model.modules())

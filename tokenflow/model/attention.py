@@ -18,6 +18,9 @@ Per layer:
    KV head as G query rows (no `repeat_kv`);
 3. each prefill segment: one SDPA against its own context (the chunk's own keys when it starts
    at position 0, else its gathered blocks) with a causal mask offset by its start position.
+
+bf16 on CPU (`PagedAttentionMetadata.matmul_attention`) runs steps 2 and 3 as bf16 matrix
+products instead of SDPA (`tokenflow.model.matmul_attention`: faster there).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenflow.kv.kv_cache import KVCache
+from tokenflow.model.matmul_attention import decode_attention, prefill_attention
 from tokenflow.model.sliding import SlidingSegment, sliding_attention
 from tokenflow.model.topk import TopkDecode, topk_attention, update_key_bounds
 
@@ -71,7 +75,8 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [rows * max_blocks] long, each row padded with block 0
     max_blocks: int
     kv_len: int  # longest context in the group; gathered keys are sliced to it
-    mask: torch.Tensor | None  # [rows, 1, 1, kv_len] bool, True = attend; None when all contexts are equal
+    # [rows, 1, 1, kv_len] bool, True = attend (additive fp32 with matmul attention); None when all contexts are equal
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +88,9 @@ class PrefillSegment:
     start_pos: int  # tokens of this sequence already in the cache before the chunk
     kv_len: int  # start_pos + chunk length: keys the last row sees
     block_ids: torch.Tensor | None  # [ceil(kv_len / block_size)] long; None when start_pos == 0
-    mask: torch.Tensor | None  # [q_len, kv_len] additive (0 / -inf) in model dtype; None: plain causal
+    # [q_len, kv_len] additive (0 / -inf) in model dtype (fp32 with matmul attention, which always has one);
+    # None: plain causal
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -99,6 +106,7 @@ class PagedAttentionMetadata:
     sliding: tuple[SlidingSegment, ...] = ()  # attention="sliding" chunks past the window, packed last
     rope_inv_freq: torch.Tensor | None = None  # for re-rotating queries against sink keys
     topk: tuple[TopkDecode, ...] = ()  # attention="topk" decodes past the budget, packed last
+    matmul_attention: bool = False  # decodes and prefills as bf16 matmuls, not SDPA (bf16 on CPU)
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
 
 
@@ -171,6 +179,7 @@ def paged_attention_forward(
         update_key_bounds(cache, layer, meta.slot_mapping, k_new)
 
     q_rows = query[0].transpose(0, 1)  # [T, H, D]
+    scale = scaling if scaling is not None else head_dim**-0.5
     pieces: list[torch.Tensor] = []  # each [rows, H, D], in packed order
 
     for grp in meta.decodes:
@@ -182,7 +191,10 @@ def paged_attention_forward(
         v = v_blocks.view(shape)[:, : grp.kv_len].transpose(1, 2)
         # One query per sequence: the G heads sharing a KV head become G query rows against it.
         q = q_rows[grp.q_start : grp.q_end].reshape(n, num_kv_heads, group, head_dim)  # [n, KVH, G, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scaling)  # [n, KVH, G, D]
+        if meta.matmul_attention:
+            out = decode_attention(q, k, v, grp.mask, scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scaling)  # [n, KVH, G, D]
         pieces.append(out.reshape(n, num_heads, head_dim))  # a view unless the kernel's layout differs
 
     for seg in meta.prefills:
@@ -196,6 +208,10 @@ def paged_attention_forward(
             # [1, KVH, kv_len, D] views of the gathered blocks
             k = k_blocks.view(shape)[:, : seg.kv_len].transpose(1, 2)
             v = v_blocks.view(shape)[:, : seg.kv_len].transpose(1, 2)
+        if meta.matmul_attention:
+            assert seg.mask is not None
+            pieces.append(prefill_attention(q[0], k[0], v[0], seg.mask, scale))
+            continue
         out = F.scaled_dot_product_attention(
             q,
             k,
@@ -207,7 +223,6 @@ def paged_attention_forward(
         )  # [1, H, t, D]
         pieces.append(out[0].transpose(0, 1))  # [t, H, D]
 
-    scale = scaling if scaling is not None else head_dim**-0.5
     for sl in meta.sliding:
         pieces.append(sliding_attention(q_rows[sl.q_start : sl.q_end], cache, layer, sl, scale, meta.rope_inv_freq))
     for sparse in meta.topk:
