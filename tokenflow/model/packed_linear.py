@@ -9,9 +9,10 @@ are bound by reading the weights and the plain path is a little faster, so a
 packed layer keeps its plain weight (the model's parameter, untouched) and
 uses it for single-row inputs. The cost is a second copy of the linear weights.
 
-Only fp32 is packed: in bf16 (no AMX on the dev CPU) the bench workload at
-concurrency 16 ran 9% slower packed than plain (prefill steps slower, decode
-steps the same).
+fp32 and bf16 are packed. bf16 on the same CPU (AVX512-BF16), alternating steps of a plain
+and a packed SmolLM2-135M in one process, medians: 16 decodes 38.7 -> 33.8 ms, 16 decodes +
+a 240-token chunk 160 -> 142 ms, 5 decodes + a 507-token chunk 245 -> 223 ms, one decode
+the same.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ log = logging.getLogger("tokenflow")
 
 PACK_FOR_ROWS = 128  # oneDNN picks the blocked layout for this many rows; any row count still works
 MIN_PACKED_ROWS = 2  # below this the plain weight is used
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_available() -> bool:
@@ -57,7 +59,7 @@ def pack_linears(model: torch.nn.Module) -> int:
         if type(module) is not torch.nn.Linear:
             continue  # subclasses (quantized, LoRA, ...) keep their own forward
         weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
             continue
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
         module.forward = functools.partial(_packed_forward, module, packed)
