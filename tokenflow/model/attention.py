@@ -75,7 +75,7 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [rows * max_blocks] long, each row padded with block 0
     max_blocks: int
     kv_len: int  # longest context in the group; gathered keys are sliced to it
-    # [rows, 1, 1, kv_len] bool, True = attend (additive fp32 with matmul attention); None when all contexts are equal
+    # [rows, 1, 1, kv_len] bool, True = attend (additive, model dtype, with matmul attention); None: contexts all equal
     mask: torch.Tensor | None
 
 
@@ -88,8 +88,7 @@ class PrefillSegment:
     start_pos: int  # tokens of this sequence already in the cache before the chunk
     kv_len: int  # start_pos + chunk length: keys the last row sees
     block_ids: torch.Tensor | None  # [ceil(kv_len / block_size)] long; None when start_pos == 0
-    # [q_len, kv_len] additive (0 / -inf) in model dtype (fp32 with matmul attention, which always has one);
-    # None: plain causal
+    # [q_len, kv_len] additive (0 / -inf) in model dtype; None: plain causal (never with matmul attention)
     mask: torch.Tensor | None
 
 
@@ -210,7 +209,7 @@ def paged_attention_forward(
             v = v_blocks.view(shape)[:, : seg.kv_len].transpose(1, 2)
         if meta.matmul_attention:
             assert seg.mask is not None
-            pieces.append(prefill_attention(q[0], k[0], v[0], seg.mask, scale))
+            pieces.append(prefill_attention(q_rows[seg.q_start : seg.q_end], k[0], v[0], seg.mask, scale))
             continue
         out = F.scaled_dot_product_attention(
             q,

@@ -291,8 +291,7 @@ class PagedModelRunner:
             mask = None
             if s > 0 or self.matmul_attention:
                 # [t, e] additive: row i (position s + i) sees keys j <= s + i; two cheap ops
-                mask_dtype = torch.float32 if self.matmul_attention else self.dtype
-                mask = torch.full((t, e), float("-inf"), dtype=mask_dtype, device=self.device).triu_(s + 1)
+                mask = torch.full((t, e), float("-inf"), dtype=self.dtype, device=self.device).triu_(s + 1)
             segments.append(PrefillSegment(row, row + t, s, e, block_ids, mask))
             row += t
             last_row[i] = row - 1
@@ -372,8 +371,8 @@ class PagedModelRunner:
             # Boolean (True = attend): as fast as an additive mask here, and one op to build.
             ctx_t = torch.tensor(ctx, dtype=torch.long, device=self.device)  # [n]
             seen = torch.arange(kv_len, device=self.device)[None, :] < ctx_t[:, None]  # [n, kv_len]
-            if self.matmul_attention:  # additive fp32
-                seen = torch.zeros(seen.shape, device=self.device).masked_fill_(~seen, float("-inf"))
+            if self.matmul_attention:  # additive
+                seen = torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill_(~seen, float("-inf"))
             mask = seen.view(len(members), 1, 1, kv_len)
         return DecodeGroup(
             q_start=q_start,
