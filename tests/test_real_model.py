@@ -1,4 +1,4 @@
-"""Slow tests on the real embedded default model (SmolLM2-135M-Instruct, fp32)."""
+"""Slow tests on the real embedded default model (SmolLM2-135M-Instruct, fp32 unless a test says bf16)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,35 @@ async def test_greedy_oracle_on_the_real_model(real_model, real_hf_model, backen
         ours_tops = [lp.top for lp in done.logprobs]
         identical += check_logprobs_close(done.token_ids, ours_tops, ref_tokens, ref_tops, f"prompt {i}")
     assert identical >= len(prompts) - 2, f"only {identical}/{len(prompts)} identical"
+
+
+async def test_bf16_greedy_on_the_real_model(real_model, real_hf_model) -> None:
+    """bf16 on CPU (matmul attention, packed bf16 weights): transformers' bf16 greedy generate with eager
+    attention, by vLLM's rule, for 8 prompts of 5-600 tokens prefilled in chunks over two query tiles."""
+    from transformers import AutoModelForCausalLM
+
+    _, tokenizer = real_hf_model
+    ref_model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.bfloat16,
+                                                     attn_implementation="eager").eval()
+    prompts = [text_prompt(tokenizer, 5 + (600 - 5) * i // 7, seed=100 + i) for i in range(8)]
+    max_new = 16
+    async with Engine(real_model, dtype="bfloat16", max_num_seqs=8, max_batch_tokens=256) as engine:
+        async with anyio.create_task_group() as tg:
+            results: dict[int, object] = {}
+
+            async def one(i: int) -> None:
+                await anyio.sleep(0.05 * i)  # arrivals while others prefill and decode
+                results[i] = await engine.generate(prompts[i], max_tokens=max_new, temperature=0.0, logprobs=5)
+
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        assert engine.stats()["kv_blocks_used"] == 0
+    identical = 0
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_tops = hf_greedy_with_logprobs(ref_model, prompt, max_new)
+        ours_tops = [lp.top for lp in results[i].logprobs]
+        identical += check_logprobs_close(results[i].token_ids, ours_tops, ref_tokens, ref_tops, f"prompt {i}")
+    assert identical >= len(prompts) - 2, f"only {identical}/{len(prompts)} identical"  # measured 8/8
 
 
 async def test_speculative_greedy_on_the_real_model(real_model, real_hf_model) -> None:
