@@ -35,6 +35,24 @@ def hf_greedy_with_logprobs(model, prompt: list[int], max_new_tokens: int):
     return tokens, tops
 
 
+async def greedy_with_arrivals(engine: Engine, prompts: list[list[int]], max_new: int, at_once: int,
+                               gap_s: float) -> dict[int, object]:
+    """Greedy results (with top-5 logprobs) by prompt index: at most `at_once` in flight, the k-th of each
+    wave sent `k * gap_s` after it may start, so requests arrive while others prefill and decode."""
+    results: dict[int, object] = {}
+    limiter = anyio.Semaphore(at_once)
+
+    async def one(i: int) -> None:
+        async with limiter:
+            await anyio.sleep(gap_s * (i % at_once))
+            results[i] = await engine.generate(prompts[i], max_tokens=max_new, temperature=0.0, logprobs=5)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return results
+
+
 def check_logprobs_close(ours_tokens, ours_tops, ref_tokens, ref_tops, name: str) -> bool:
     """vLLM's rule: identical up to the first divergence; there, each side's token is in the other's top-5.
     Returns True when fully identical."""
@@ -66,18 +84,8 @@ async def test_greedy_oracle_on_the_real_model(real_model, real_hf_model, backen
         settings = dict(backend="paged", max_num_seqs=16, max_batch_tokens=256)
     prompts = [text_prompt(tokenizer, n, seed=i) for i, n in enumerate(lengths)]
     max_new = 12
-    results: dict[int, object] = {}
-    limiter = anyio.Semaphore(16)
-
-    async def one(engine: Engine, i: int) -> None:
-        async with limiter:
-            await anyio.sleep(0.02 * (i % 16))
-            results[i] = await engine.generate(prompts[i], max_tokens=max_new, temperature=0.0, logprobs=5)
-
     async with Engine(real_model, **settings) as engine:
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, engine, i)
+        results = await greedy_with_arrivals(engine, prompts, max_new, at_once=16, gap_s=0.02)
         assert engine.stats().get("kv_blocks_used", 0) == 0
     identical = 0
     for i, prompt in enumerate(prompts):
@@ -99,15 +107,7 @@ async def test_bf16_greedy_on_the_real_model(real_model, real_hf_model) -> None:
     prompts = [text_prompt(tokenizer, 5 + (600 - 5) * i // 7, seed=100 + i) for i in range(8)]
     max_new = 16
     async with Engine(real_model, dtype="bfloat16", max_num_seqs=8, max_batch_tokens=256) as engine:
-        async with anyio.create_task_group() as tg:
-            results: dict[int, object] = {}
-
-            async def one(i: int) -> None:
-                await anyio.sleep(0.05 * i)  # arrivals while others prefill and decode
-                results[i] = await engine.generate(prompts[i], max_tokens=max_new, temperature=0.0, logprobs=5)
-
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
+        results = await greedy_with_arrivals(engine, prompts, max_new, at_once=8, gap_s=0.05)
         assert engine.stats()["kv_blocks_used"] == 0
     identical = 0
     for i, prompt in enumerate(prompts):
