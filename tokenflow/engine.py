@@ -25,6 +25,7 @@ from tokenflow.config import EngineConfig
 from tokenflow.errors import DeadlineExceeded, EngineClosed, InvalidRequest, TokenflowError
 from tokenflow.kv.block_hash import model_key
 from tokenflow.model.loader import load_model
+from tokenflow.model.openmp_team import release_openmp_team
 from tokenflow.model.sampler import make_generator
 from tokenflow.model_thread import ModelThread
 from tokenflow.models import resolve_model
@@ -77,6 +78,7 @@ class Engine:
             return
         self._state = "starting"
         config = self.config
+        release_openmp_team()  # this thread's idle OpenMP helpers would slow every step of the model thread
         resolved = await anyio.to_thread.run_sync(resolve_model, config.model)
         self.model_name = resolved.name
         model_thread = self._model_thread = ModelThread()
