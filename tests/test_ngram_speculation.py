@@ -69,11 +69,11 @@ def _repetitive_prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]
     return prompts
 
 
-async def _generate_all(engine: Engine, prompts: list[list[int]], **params) -> list:
+async def _generate_all(engine: Engine, prompts: list[list[int]], gap_s: float = 0.005, **params) -> list:
     results: dict[int, object] = {}
 
     async def one(i: int) -> None:
-        await anyio.sleep(0.005 * i)  # arrivals while others decode
+        await anyio.sleep(gap_s * i)  # arrivals while others decode
         results[i] = await engine.generate(prompts[i], **params)
 
     async with anyio.create_task_group() as tg:
@@ -173,7 +173,8 @@ async def test_speculation_under_preemption(tiny_model, monkeypatch) -> None:
     # 8 sequences of up to 100 tokens need up to 56 blocks: 20 forces preemption mid-decode.
     async with Engine(tiny_model, speculative_tokens=3, speculative_max_seqs=8, max_num_seqs=8,
                       max_batch_tokens=128, num_kv_blocks=20, kv_high_watermark=1.0, debug_leaks=True) as engine:
-        done = await _generate_all(engine, prompts, max_tokens=40, temperature=0.0, ignore_eos=True)
+        # All at once: staggered arrivals could finish early ones before the blocks run out.
+        done = await _generate_all(engine, prompts, gap_s=0.0, max_tokens=40, temperature=0.0, ignore_eos=True)
         stats = engine.stats()
     assert stats["num_preemptions"] > 0
     assert stats["num_accepted_draft_tokens"] > 0

@@ -20,7 +20,9 @@ Per layer:
    at position 0, else its gathered blocks) with a causal mask offset by its start position.
 
 bf16 on CPU (`PagedAttentionMetadata.matmul_attention`) runs steps 2 and 3 as bf16 matrix
-products instead of SDPA (`tokenflow.model.matmul_attention`: faster there).
+products instead of SDPA (`tokenflow.model.matmul_attention`: faster there), and step 2 in a C
+kernel that reads the blocks in place, without the gather, where it builds
+(`tokenflow.model.native_attention`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.model.matmul_attention import decode_attention, prefill_attention
+from tokenflow.model.native_attention import PagedDecode
 from tokenflow.model.sliding import SlidingSegment, sliding_attention
 from tokenflow.model.topk import TopkDecode, topk_attention, update_key_bounds
 
@@ -77,6 +80,7 @@ class DecodeGroup:
     kv_len: int  # longest context in the group; gathered keys are sliced to it
     # [rows, 1, 1, kv_len] bool, True = attend (additive, model dtype, with matmul attention); None: contexts all equal
     mask: torch.Tensor | None
+    lengths: torch.Tensor | None = None  # [rows] long context lengths, for the native kernel (then no mask)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +110,7 @@ class PagedAttentionMetadata:
     rope_inv_freq: torch.Tensor | None = None  # for re-rotating queries against sink keys
     topk: tuple[TopkDecode, ...] = ()  # attention="topk" decodes past the budget, packed last
     matmul_attention: bool = False  # decodes and prefills as bf16 matmuls, not SDPA (bf16 on CPU)
+    native_decode: PagedDecode | None = None  # decode groups with `lengths` run this C kernel (bf16 on CPU)
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
 
 
@@ -183,13 +188,20 @@ def paged_attention_forward(
 
     for grp in meta.decodes:
         n = grp.q_end - grp.q_start
+        # One query per sequence: the G heads sharing a KV head become G query rows against it.
+        q = q_rows[grp.q_start : grp.q_end].reshape(n, num_kv_heads, group, head_dim)  # [n, KVH, G, D]
+        if grp.lengths is not None and meta.native_decode is not None:
+            out = meta.native_decode(
+                q, cache.k_slots[layer], cache.v_slots[layer], grp.block_ids.view(n, grp.max_blocks), grp.lengths,
+                grp.kv_len, cache.block_size, scale,
+            )
+            pieces.append(out.view(n, num_heads, head_dim))
+            continue
         shape = (n, grp.max_blocks * cache.block_size, num_kv_heads, head_dim)
         k_blocks, v_blocks = cache.gather(layer, grp.block_ids)
         # [n, KVH, kv_len, D] views of the gathered blocks
         k = k_blocks.view(shape)[:, : grp.kv_len].transpose(1, 2)
         v = v_blocks.view(shape)[:, : grp.kv_len].transpose(1, 2)
-        # One query per sequence: the G heads sharing a KV head become G query rows against it.
-        q = q_rows[grp.q_start : grp.q_end].reshape(n, num_kv_heads, group, head_dim)  # [n, KVH, G, D]
         if meta.matmul_attention:
             out = decode_attention(q, k, v, grp.mask, scale)
         else:

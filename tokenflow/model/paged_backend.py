@@ -88,6 +88,7 @@ class PagedBackend:
             model, kv_cache, max_model_len=ctx.max_model_len, self_check=self.config.self_check,
             window=self.config.window if sliding else None, sinks=self.config.sink_tokens,
             topk_budget=self.config.topk_budget if self.config.attention == "topk" else None,
+            native_attention=self.config.native_attention,
         )
         # Only once the runner has accepted the model, so that a refused one is left as it came.
         fuse_rms_norms(model)

@@ -34,6 +34,7 @@ from tokenflow.model.attention import (
     UnsupportedAttentionFeature,
     register,
 )
+from tokenflow.model.native_attention import load_paged_decode
 from tokenflow.model.sliding import SlidingSegment, build_segment
 from tokenflow.model.topk import RECENT_BLOCKS, TopkDecode
 
@@ -144,6 +145,7 @@ class PagedModelRunner:
         window: int | None = None,
         sinks: int = 0,
         topk_budget: int | None = None,
+        native_attention: bool = True,
     ) -> None:
         check_model_supported(model, max_model_len)
         geometry = KVCache.geometry(model.config)
@@ -166,6 +168,9 @@ class PagedModelRunner:
         self.num_layers = kv_cache.num_layers
         # bf16 on CPU: attention as bf16 matmuls (see tokenflow.model.matmul_attention)
         self.matmul_attention = kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu"
+        # ... and decodes in a C kernel over the cache itself where it builds (tokenflow.model.native_attention)
+        native = native_attention and self.matmul_attention
+        self.native_decode = load_paged_decode(kv_cache.head_dim) if native else None
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window
         self.sinks = sinks
@@ -346,6 +351,7 @@ class PagedModelRunner:
             rope_inv_freq=self.rope_inv_freq,
             topk=tuple(topk),
             matmul_attention=self.matmul_attention,
+            native_decode=self.native_decode,
         )
         return PackedStep(
             input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
@@ -366,8 +372,10 @@ class PagedModelRunner:
             flat.extend(chunks[i].block_table[:used])
             if used < max_blocks:
                 flat.extend([0] * (max_blocks - used))  # padding: block 0's (finite) contents get masked
-        mask = None
-        if ctx[-1] != kv_len:
+        lengths = mask = None
+        if self.native_decode is not None:  # the kernel reads each context's own length: no padding
+            lengths = torch.tensor(ctx, dtype=torch.long, device=self.device)
+        elif ctx[-1] != kv_len:
             # Boolean (True = attend): as fast as an additive mask here, and one op to build.
             ctx_t = torch.tensor(ctx, dtype=torch.long, device=self.device)  # [n]
             seen = torch.arange(kv_len, device=self.device)[None, :] < ctx_t[:, None]  # [n, kv_len]
@@ -381,6 +389,7 @@ class PagedModelRunner:
             max_blocks=max_blocks,
             kv_len=kv_len,
             mask=mask,
+            lengths=lengths,
         )
 
     # ------------------------------------------------------------ self-check
