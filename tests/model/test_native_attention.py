@@ -1,4 +1,4 @@
-"""The native bf16 decode kernel: same attention as the torch-ops path, built once, optional."""
+"""The native bf16 attention kernels: the same attention as the torch-ops path, built once, optional."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from tokenflow.model import native_attention
-from tokenflow.model.matmul_attention import decode_attention
-from tokenflow.model.native_attention import load_paged_decode
+from tokenflow.model import matmul_attention, native_attention
+from tokenflow.model.matmul_attention import decode_attention, prefill_attention
+from tokenflow.model.native_attention import load_native_attention
 
 BF16 = torch.bfloat16
 
@@ -70,10 +70,12 @@ class PagedBatch:
         return out
 
     def native(self) -> torch.Tensor:
-        kernel = load_paged_decode(self.q.shape[-1])
-        assert kernel is not None
+        kernels = load_native_attention(self.q.shape[-1], self.q.shape[2])
+        assert kernels is not None
         lengths = torch.tensor(self.lengths, dtype=torch.long)
-        return kernel(self.q, self.k, self.v, self.tables, lengths, max(self.lengths), self.block_size, self.scale)
+        return kernels.decode(
+            self.q, self.k, self.v, self.tables, lengths, max(self.lengths), self.block_size, self.scale
+        )
 
 
 @needs_compiler
@@ -96,42 +98,72 @@ def test_kernel_matches_the_torch_ops_path(kv_heads: int, group: int, head_dim: 
 
 
 @needs_compiler
-def test_kernel_refuses_a_head_dim_it_was_not_built_for() -> None:
-    batch = PagedBatch([5, 9], 2, 2, 32, 16)
-    kernel = load_paged_decode(64)
-    assert kernel is not None
-    lengths = torch.tensor(batch.lengths, dtype=torch.long)
-    with pytest.raises(ValueError, match="head_dim 64"):
-        kernel(batch.q, batch.k, batch.v, batch.tables, lengths, 9, 16, batch.scale)
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "head_dim", "scale"), [(3, 3, 64, None), (2, 4, 128, None), (1, 2, 80, 0.3)]
+)
+@pytest.mark.parametrize(("start", "t"), [(0, 300), (37, 90), (200, 1)])
+def test_prefill_softmax_matches_the_torch_ops_path(
+    kv_heads: int, group: int, head_dim: int, scale: float | None, start: int, t: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk of t queries at positions start.. over start + t keys, in query tiles: native
+    softmax vs eager arithmetic, both against fp64 causal attention."""
+    monkeypatch.setattr(matmul_attention, "QUERY_TILE", 64)  # several tiles, a partial last one
+    g = torch.Generator().manual_seed(start + t + head_dim)
+    q = torch.randn(t, kv_heads * group, head_dim, generator=g).to(BF16)
+    k = torch.randn(kv_heads, start + t, head_dim, generator=g).to(BF16)
+    v = torch.randn(kv_heads, start + t, head_dim, generator=g).to(BF16)
+    scale = scale or head_dim**-0.5
+    mask = torch.full((t, start + t), float("-inf"), dtype=BF16).triu_(start + 1)
+    kernels = load_native_attention(head_dim, group)
+    assert kernels is not None
+    native = prefill_attention(q, k, v, mask, scale, kernels)
+    ops = prefill_attention(q, k, v, mask, scale)
+    qh = q.double().view(t, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, t, D]
+    scores = qh @ k.double()[:, None].transpose(-1, -2) * scale + mask.double()
+    exact = (torch.softmax(scores, -1) @ v.double()[:, None]).permute(2, 0, 1, 3).reshape(t, -1, head_dim)
+    native_error, ops_error = (native.double() - exact).abs(), (ops.double() - exact).abs()
+    assert native_error.max() <= 1.5 * ops_error.max() + 1e-3
+    assert native_error.mean() <= 1.2 * ops_error.mean() + 1e-5
+    assert (native == ops).float().mean() > 0.5  # mostly the very same bf16 numbers
 
 
 @needs_compiler
-def test_kernel_is_built_once_per_machine(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernels_refuse_a_geometry_they_were_not_built_for() -> None:
+    batch = PagedBatch([5, 9], 2, 2, 32, 16)
+    kernels = load_native_attention(64, 2)
+    assert kernels is not None
+    lengths = torch.tensor(batch.lengths, dtype=torch.long)
+    with pytest.raises(ValueError, match="head_dim 64"):
+        kernels.decode(batch.q, batch.k, batch.v, batch.tables, lengths, 9, 16, batch.scale)
+
+
+@needs_compiler
+def test_kernels_are_built_once_per_machine(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
-    load_paged_decode.cache_clear()
+    load_native_attention.cache_clear()
     try:
-        first = load_paged_decode(64)
+        first = load_native_attention(64, 3)
         assert first is not None and first.path.parent == tmp_path / "kernels"
         built = first.path.stat().st_mtime_ns
-        load_paged_decode.cache_clear()  # a new process: finds the library instead of compiling again
-        again = load_paged_decode(64)
+        load_native_attention.cache_clear()  # a new process: finds the library instead of compiling again
+        again = load_native_attention(64, 3)
         assert again is not None and again.path == first.path and again.path.stat().st_mtime_ns == built
         assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.path.name]  # no temporary files left
     finally:
-        load_paged_decode.cache_clear()
+        load_native_attention.cache_clear()
 
 
 @needs_compiler
 def test_loading_the_kernel_keeps_subnormal_floats(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A library linked with -ffast-math would switch the whole process to flush-to-zero on load."""
     monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
-    load_paged_decode.cache_clear()
+    load_native_attention.cache_clear()
     try:
-        assert load_paged_decode(48) is not None  # a fresh build, loaded now
+        assert load_native_attention(48, 1) is not None  # a fresh build, loaded now
         tiny = torch.tensor([1e-38], dtype=torch.float32)
         assert (tiny / 1000).item() != 0.0  # still a subnormal, not flushed to zero
     finally:
-        load_paged_decode.cache_clear()
+        load_native_attention.cache_clear()
 
 
 @pytest.mark.parametrize("compiler", ["no-such-compiler", "false"], ids=["missing", "failing"])
@@ -140,19 +172,19 @@ def test_without_a_working_compiler_attention_stays_on_torch_ops(
 ) -> None:
     monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
     monkeypatch.setenv("CC", compiler)
-    load_paged_decode.cache_clear()
+    load_native_attention.cache_clear()
     try:
-        assert load_paged_decode(64) is None
+        assert load_native_attention(64, 3) is None
         assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
     finally:
-        load_paged_decode.cache_clear()
+        load_native_attention.cache_clear()
 
 
 def test_a_second_openmp_runtime_turns_the_kernel_off(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where torch's OpenMP is not libgomp, a kernel built with -fopenmp would start its own threads."""
+    """Where torch's OpenMP is not libgomp, kernels built with -fopenmp would start threads of their own."""
     monkeypatch.setattr(native_attention, "_libgomp_paths", lambda: set())
-    load_paged_decode.cache_clear()
+    load_native_attention.cache_clear()
     try:
-        assert load_paged_decode(64) is None
+        assert load_native_attention(64, 3) is None
     finally:
-        load_paged_decode.cache_clear()
+        load_native_attention.cache_clear()

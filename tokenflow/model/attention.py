@@ -20,9 +20,9 @@ Per layer:
    at position 0, else its gathered blocks) with a causal mask offset by its start position.
 
 bf16 on CPU (`PagedAttentionMetadata.matmul_attention`) runs steps 2 and 3 as bf16 matrix
-products instead of SDPA (`tokenflow.model.matmul_attention`: faster there), and step 2 in a C
-kernel that reads the blocks in place, without the gather, where it builds
-(`tokenflow.model.native_attention`).
+products instead of SDPA (`tokenflow.model.matmul_attention`: faster there); where its C kernels
+build (`tokenflow.model.native_attention`), step 2 reads the blocks in place, without the gather,
+and step 3 does its softmax in one pass.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.model.matmul_attention import decode_attention, prefill_attention
-from tokenflow.model.native_attention import PagedDecode
+from tokenflow.model.native_attention import NativeAttention
 from tokenflow.model.sliding import SlidingSegment, sliding_attention
 from tokenflow.model.topk import TopkDecode, topk_attention, update_key_bounds
 
@@ -110,7 +110,7 @@ class PagedAttentionMetadata:
     rope_inv_freq: torch.Tensor | None = None  # for re-rotating queries against sink keys
     topk: tuple[TopkDecode, ...] = ()  # attention="topk" decodes past the budget, packed last
     matmul_attention: bool = False  # decodes and prefills as bf16 matmuls, not SDPA (bf16 on CPU)
-    native_decode: PagedDecode | None = None  # decode groups with `lengths` run this C kernel (bf16 on CPU)
+    native: NativeAttention | None = None  # C kernels: decode groups with `lengths`, prefill softmax (bf16 CPU)
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
 
 
@@ -190,8 +190,8 @@ def paged_attention_forward(
         n = grp.q_end - grp.q_start
         # One query per sequence: the G heads sharing a KV head become G query rows against it.
         q = q_rows[grp.q_start : grp.q_end].reshape(n, num_kv_heads, group, head_dim)  # [n, KVH, G, D]
-        if grp.lengths is not None and meta.native_decode is not None:
-            out = meta.native_decode(
+        if grp.lengths is not None and meta.native is not None:
+            out = meta.native.decode(
                 q, cache.k_slots[layer], cache.v_slots[layer], grp.block_ids.view(n, grp.max_blocks), grp.lengths,
                 grp.kv_len, cache.block_size, scale,
             )
@@ -221,7 +221,7 @@ def paged_attention_forward(
             v = v_blocks.view(shape)[:, : seg.kv_len].transpose(1, 2)
         if meta.matmul_attention:
             assert seg.mask is not None
-            pieces.append(prefill_attention(q_rows[seg.q_start : seg.q_end], k[0], v[0], seg.mask, scale))
+            pieces.append(prefill_attention(q_rows[seg.q_start : seg.q_end], k[0], v[0], seg.mask, scale, meta.native))
             continue
         out = F.scaled_dot_product_attention(
             q,

@@ -16,7 +16,12 @@ causal half of the scores is never computed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from tokenflow.model.native_attention import NativeAttention
 
 __all__ = ("QUERY_TILE", "decode_attention", "prefill_attention")
 
@@ -51,6 +56,7 @@ def prefill_attention(
     v: torch.Tensor,  # [KVH, L, D]
     mask: torch.Tensor,  # [t, L] additive causal mask (0 / -inf) of the chunk, in q's dtype
     scale: float,
+    native: NativeAttention | None = None,  # its one-pass causal softmax replaces `_probabilities` and `mask`
 ) -> torch.Tensor:
     """Causal attention of one chunk over its sequence's keys; returns `[t, H, D]`."""
     t, num_heads, head_dim = q.shape
@@ -64,8 +70,12 @@ def prefill_attention(
         # [KVH, G * rows, D]: query heads of one KV head, row-major per head
         q_tile = q[lo:hi].view(rows, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         q_tile = q_tile.reshape(num_kv_heads, group * rows, head_dim)
-        scores = torch.bmm(q_tile, k[:, :seen].transpose(1, 2)).view(num_kv_heads, group, rows, seen)
-        probs = _probabilities(scores, scale, mask[lo:hi, :seen]).view(num_kv_heads, group * rows, seen)
+        scores = torch.bmm(q_tile, k[:, :seen].transpose(1, 2))  # [KVH, G * rows, seen]
+        if native is not None:
+            probs = native.causal_softmax_(scores, rows, start + lo, scale)
+        else:
+            scores = scores.view(num_kv_heads, group, rows, seen)
+            probs = _probabilities(scores, scale, mask[lo:hi, :seen]).view(num_kv_heads, group * rows, seen)
         tile = torch.bmm(probs, v[:, :seen])  # [KVH, G * rows, D]
         out[lo:hi] = tile.view(num_heads, rows, head_dim).transpose(0, 1)
     return out

@@ -34,7 +34,7 @@ from tokenflow.model.attention import (
     UnsupportedAttentionFeature,
     register,
 )
-from tokenflow.model.native_attention import load_paged_decode
+from tokenflow.model.native_attention import load_native_attention
 from tokenflow.model.sliding import SlidingSegment, build_segment
 from tokenflow.model.topk import RECENT_BLOCKS, TopkDecode
 
@@ -168,9 +168,11 @@ class PagedModelRunner:
         self.num_layers = kv_cache.num_layers
         # bf16 on CPU: attention as bf16 matmuls (see tokenflow.model.matmul_attention)
         self.matmul_attention = kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu"
-        # ... and decodes in a C kernel over the cache itself where it builds (tokenflow.model.native_attention)
+        # ... with C kernels where they build: decodes over the cache itself, prefill softmax in one pass
+        # (tokenflow.model.native_attention)
+        group = model.config.num_attention_heads // kv_cache.num_kv_heads
         native = native_attention and self.matmul_attention
-        self.native_decode = load_paged_decode(kv_cache.head_dim) if native else None
+        self.native = load_native_attention(kv_cache.head_dim, group) if native else None
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window
         self.sinks = sinks
@@ -351,7 +353,7 @@ class PagedModelRunner:
             rope_inv_freq=self.rope_inv_freq,
             topk=tuple(topk),
             matmul_attention=self.matmul_attention,
-            native_decode=self.native_decode,
+            native=self.native,
         )
         return PackedStep(
             input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
@@ -373,7 +375,7 @@ class PagedModelRunner:
             if used < max_blocks:
                 flat.extend([0] * (max_blocks - used))  # padding: block 0's (finite) contents get masked
         lengths = mask = None
-        if self.native_decode is not None:  # the kernel reads each context's own length: no padding
+        if self.native is not None:  # the kernel reads each context's own length: no padding
             lengths = torch.tensor(ctx, dtype=torch.long, device=self.device)
         elif ctx[-1] != kv_len:
             # Boolean (True = attend): as fast as an additive mask here, and one op to build.
