@@ -114,7 +114,8 @@ async def test_bf16_greedy_on_the_real_model(real_model, real_hf_model) -> None:
         ref_tokens, ref_tops = hf_greedy_with_logprobs(ref_model, prompt, max_new)
         ours_tops = [lp.top for lp in results[i].logprobs]
         identical += check_logprobs_close(results[i].token_ids, ours_tops, ref_tokens, ref_tops, f"prompt {i}")
-    assert identical >= len(prompts) - 2, f"only {identical}/{len(prompts)} identical"  # measured 8/8
+    # measured 8/8 with torch ops; 7/8 with the native kernels (the eighth within the rule)
+    assert identical >= len(prompts) - 2, f"only {identical}/{len(prompts)} identical"
 
 
 async def test_speculative_greedy_on_the_real_model(real_model, real_hf_model) -> None:
