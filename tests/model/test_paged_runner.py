@@ -57,11 +57,11 @@ def build(name: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
 
 
 def make_runner(
-    model: PreTrainedModel, num_blocks: int = 96, *, native_attention: bool = True
+    model: PreTrainedModel, num_blocks: int = 96, *, native_kernels: bool = True
 ) -> tuple[PagedModelRunner, BlockPool]:
     dtype = next(model.parameters()).dtype
     cache = KVCache.for_model(model.config, num_blocks=num_blocks, block_size=BLOCK, dtype=dtype)
-    return PagedModelRunner(model, cache, native_attention=native_attention), BlockPool(num_blocks, BLOCK)
+    return PagedModelRunner(model, cache, native_kernels=native_kernels), BlockPool(num_blocks, BLOCK)
 
 
 class Seq:
@@ -119,7 +119,7 @@ def test_mixed_batch_matches_model_forward(name: str) -> None:
 
 @pytest.mark.parametrize("native", [False, True], ids=["torch-ops", "native-decode"])
 @pytest.mark.parametrize("name", ["llama", "llama-mha", "qwen3"])
-def test_bf16_cpu_attention_is_transformers_eager_arithmetic(
+def test_bf16_cpu_kernels_is_transformers_eager_arithmetic(
     name: str, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 on CPU attends with bf16 matmuls: the same numbers as transformers' eager attention.
@@ -131,7 +131,7 @@ def test_bf16_cpu_attention_is_transformers_eager_arithmetic(
     model = build(name, torch.bfloat16)
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("eager")
-    runner, pool = make_runner(model, native_attention=native)
+    runner, pool = make_runner(model, native_kernels=native)
     assert runner.matmul_attention and (runner.native is not None) == native
     if not native:
         assert runner.last_self_check_error == 0.0

@@ -1,4 +1,5 @@
-"""`fuse_rms_norms` leaves every logit bit-identical, in fp32 and bf16, and touches nothing else."""
+"""`fuse_rms_norms` leaves every logit bit-identical, in fp32 and bf16, and touches nothing else;
+with the native bf16 kernel, norms within one bf16 rounding of transformers' own."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tokenflow.model.native_kernels import load_native_kernels
 from tokenflow.model.rms_norm import fuse_rms_norms
 from tokenflow.testing import tiny_config
 
@@ -31,6 +33,30 @@ def test_fused_rms_norm_logits_are_bit_identical(arch: str, norms: int, dtype: t
         assert fuse_rms_norms(model) == norms  # 2 per layer + the final one (+ q/k norms per layer in Qwen3)
         got = model(ids).logits
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("arch", "norms"), [("llama", 5), ("qwen3", 9)])
+def test_native_bf16_rms_norm_is_transformers_arithmetic(arch: str, norms: int) -> None:
+    """Each norm module against its own HF forward on the same inputs: mostly the very same bf16
+    numbers, the rest a rounding step apart (the sum of squares runs in another order)."""
+    kernels = load_native_kernels(64, 1)
+    if kernels is None:
+        pytest.skip("no C compiler / libgomp here: the native kernels are off")
+    model = _model(arch, torch.bfloat16)
+    modules = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    g = torch.Generator().manual_seed(1)
+    inputs = [(torch.randn(3, 7, m.weight.shape[0], generator=g) * 3).to(torch.bfloat16) for m in modules]
+    with torch.inference_mode():
+        want = [m(x) for m, x in zip(modules, inputs)]
+        assert fuse_rms_norms(model, kernels) == norms
+        got = [m(x) for m, x in zip(modules, inputs)]
+        got_strided = modules[0](inputs[0].transpose(0, 1).contiguous().transpose(0, 1))  # torch path fallback
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16 and a.shape == b.shape
+        assert (a == b).float().mean() > 0.95
+        two_ulps = 2.0**-6 * b.float().abs()  # at least one bf16 step at |b|, at most two
+        assert ((a.float() - b.float()).abs() <= two_ulps).all()
+    assert torch.equal(got_strided, want[0])  # a non-contiguous input takes the bit-identical torch path
 
 
 def test_other_norms_keep_their_forward() -> None:

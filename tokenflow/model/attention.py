@@ -21,7 +21,7 @@ Per layer:
 
 bf16 on CPU (`PagedAttentionMetadata.matmul_attention`) runs steps 2 and 3 as bf16 matrix
 products instead of SDPA (`tokenflow.model.matmul_attention`: faster there); where its C kernels
-build (`tokenflow.model.native_attention`), step 2 reads the blocks in place, without the gather,
+build (`tokenflow.model.native_kernels`), step 2 reads the blocks in place, without the gather,
 and step 3 does its softmax in one pass.
 """
 
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.model.matmul_attention import decode_attention, prefill_attention
-from tokenflow.model.native_attention import NativeAttention
+from tokenflow.model.native_kernels import NativeKernels
 from tokenflow.model.sliding import SlidingSegment, sliding_attention
 from tokenflow.model.topk import TopkDecode, topk_attention, update_key_bounds
 
@@ -110,7 +110,7 @@ class PagedAttentionMetadata:
     rope_inv_freq: torch.Tensor | None = None  # for re-rotating queries against sink keys
     topk: tuple[TopkDecode, ...] = ()  # attention="topk" decodes past the budget, packed last
     matmul_attention: bool = False  # decodes and prefills as bf16 matmuls, not SDPA (bf16 on CPU)
-    native: NativeAttention | None = None  # C kernels: decode groups with `lengths`, prefill softmax (bf16 CPU)
+    native: NativeKernels | None = None  # C kernels: decode groups with `lengths`, prefill softmax (bf16 CPU)
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from tokenflow.model.native_attention import NativeAttention
+    from tokenflow.model.native_kernels import NativeKernels
 
 __all__ = ("QUERY_TILE", "decode_attention", "prefill_attention")
 
@@ -56,7 +56,7 @@ def prefill_attention(
     v: torch.Tensor,  # [KVH, L, D]
     mask: torch.Tensor,  # [t, L] additive causal mask (0 / -inf) of the chunk, in q's dtype
     scale: float,
-    native: NativeAttention | None = None,  # its one-pass causal softmax replaces `_probabilities` and `mask`
+    native: NativeKernels | None = None,  # its one-pass causal softmax replaces `_probabilities` and `mask`
 ) -> torch.Tensor:
     """Causal attention of one chunk over its sequence's keys; returns `[t, H, D]`."""
     t, num_heads, head_dim = q.shape

@@ -88,10 +88,10 @@ class PagedBackend:
             model, kv_cache, max_model_len=ctx.max_model_len, self_check=self.config.self_check,
             window=self.config.window if sliding else None, sinks=self.config.sink_tokens,
             topk_budget=self.config.topk_budget if self.config.attention == "topk" else None,
-            native_attention=self.config.native_attention,
+            native_kernels=self.config.native_kernels,
         )
         # Only once the runner has accepted the model, so that a refused one is left as it came.
-        fuse_rms_norms(model)
+        fuse_rms_norms(model, self.runner.native)
         inplace_gated_mlps(model)  # with `compile`, the eager path of shapes it does not compile
         if self.config.compile:
             self.buckets = decode_buckets(self.config.max_num_seqs)

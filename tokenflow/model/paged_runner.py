@@ -34,7 +34,7 @@ from tokenflow.model.attention import (
     UnsupportedAttentionFeature,
     register,
 )
-from tokenflow.model.native_attention import load_native_attention
+from tokenflow.model.native_kernels import load_native_kernels
 from tokenflow.model.sliding import SlidingSegment, build_segment
 from tokenflow.model.topk import RECENT_BLOCKS, TopkDecode
 
@@ -145,7 +145,7 @@ class PagedModelRunner:
         window: int | None = None,
         sinks: int = 0,
         topk_budget: int | None = None,
-        native_attention: bool = True,
+        native_kernels: bool = True,
     ) -> None:
         check_model_supported(model, max_model_len)
         geometry = KVCache.geometry(model.config)
@@ -169,10 +169,10 @@ class PagedModelRunner:
         # bf16 on CPU: attention as bf16 matmuls (see tokenflow.model.matmul_attention)
         self.matmul_attention = kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu"
         # ... with C kernels where they build: decodes over the cache itself, prefill softmax in one pass
-        # (tokenflow.model.native_attention)
+        # (tokenflow.model.native_kernels)
         group = model.config.num_attention_heads // kv_cache.num_kv_heads
-        native = native_attention and self.matmul_attention
-        self.native = load_native_attention(kv_cache.head_dim, group) if native else None
+        native = native_kernels and self.matmul_attention
+        self.native = load_native_kernels(kv_cache.head_dim, group) if native else None
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window
         self.sinks = sinks

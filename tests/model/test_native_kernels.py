@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from tokenflow.model import matmul_attention, native_attention
+from tokenflow.model import matmul_attention, native_kernels
 from tokenflow.model.matmul_attention import decode_attention, prefill_attention
-from tokenflow.model.native_attention import load_native_attention
+from tokenflow.model.native_kernels import load_native_kernels
 
 BF16 = torch.bfloat16
 
@@ -70,7 +70,7 @@ class PagedBatch:
         return out
 
     def native(self) -> torch.Tensor:
-        kernels = load_native_attention(self.q.shape[-1], self.q.shape[2])
+        kernels = load_native_kernels(self.q.shape[-1], self.q.shape[2])
         assert kernels is not None
         lengths = torch.tensor(self.lengths, dtype=torch.long)
         return kernels.decode(
@@ -114,7 +114,7 @@ def test_prefill_softmax_matches_the_torch_ops_path(
     v = torch.randn(kv_heads, start + t, head_dim, generator=g).to(BF16)
     scale = scale or head_dim**-0.5
     mask = torch.full((t, start + t), float("-inf"), dtype=BF16).triu_(start + 1)
-    kernels = load_native_attention(head_dim, group)
+    kernels = load_native_kernels(head_dim, group)
     assert kernels is not None
     native = prefill_attention(q, k, v, mask, scale, kernels)
     ops = prefill_attention(q, k, v, mask, scale)
@@ -130,7 +130,7 @@ def test_prefill_softmax_matches_the_torch_ops_path(
 @needs_compiler
 def test_kernels_refuse_a_geometry_they_were_not_built_for() -> None:
     batch = PagedBatch([5, 9], 2, 2, 32, 16)
-    kernels = load_native_attention(64, 2)
+    kernels = load_native_kernels(64, 2)
     assert kernels is not None
     lengths = torch.tensor(batch.lengths, dtype=torch.long)
     with pytest.raises(ValueError, match="head_dim 64"):
@@ -140,30 +140,30 @@ def test_kernels_refuse_a_geometry_they_were_not_built_for() -> None:
 @needs_compiler
 def test_kernels_are_built_once_per_machine(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
-    load_native_attention.cache_clear()
+    load_native_kernels.cache_clear()
     try:
-        first = load_native_attention(64, 3)
+        first = load_native_kernels(64, 3)
         assert first is not None and first.path.parent == tmp_path / "kernels"
         built = first.path.stat().st_mtime_ns
-        load_native_attention.cache_clear()  # a new process: finds the library instead of compiling again
-        again = load_native_attention(64, 3)
+        load_native_kernels.cache_clear()  # a new process: finds the library instead of compiling again
+        again = load_native_kernels(64, 3)
         assert again is not None and again.path == first.path and again.path.stat().st_mtime_ns == built
         assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.path.name]  # no temporary files left
     finally:
-        load_native_attention.cache_clear()
+        load_native_kernels.cache_clear()
 
 
 @needs_compiler
 def test_loading_the_kernel_keeps_subnormal_floats(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A library linked with -ffast-math would switch the whole process to flush-to-zero on load."""
     monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
-    load_native_attention.cache_clear()
+    load_native_kernels.cache_clear()
     try:
-        assert load_native_attention(48, 1) is not None  # a fresh build, loaded now
+        assert load_native_kernels(48, 1) is not None  # a fresh build, loaded now
         tiny = torch.tensor([1e-38], dtype=torch.float32)
         assert (tiny / 1000).item() != 0.0  # still a subnormal, not flushed to zero
     finally:
-        load_native_attention.cache_clear()
+        load_native_kernels.cache_clear()
 
 
 @pytest.mark.parametrize("compiler", ["no-such-compiler", "false"], ids=["missing", "failing"])
@@ -172,19 +172,19 @@ def test_without_a_working_compiler_attention_stays_on_torch_ops(
 ) -> None:
     monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
     monkeypatch.setenv("CC", compiler)
-    load_native_attention.cache_clear()
+    load_native_kernels.cache_clear()
     try:
-        assert load_native_attention(64, 3) is None
+        assert load_native_kernels(64, 3) is None
         assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
     finally:
-        load_native_attention.cache_clear()
+        load_native_kernels.cache_clear()
 
 
 def test_a_second_openmp_runtime_turns_the_kernel_off(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where torch's OpenMP is not libgomp, kernels built with -fopenmp would start threads of their own."""
-    monkeypatch.setattr(native_attention, "_libgomp_paths", lambda: set())
-    load_native_attention.cache_clear()
+    monkeypatch.setattr(native_kernels, "_libgomp_paths", lambda: set())
+    load_native_kernels.cache_clear()
     try:
-        assert load_native_attention(64, 3) is None
+        assert load_native_kernels(64, 3) is None
     finally:
-        load_native_attention.cache_clear()
+        load_native_kernels.cache_clear()
