@@ -96,9 +96,14 @@ async def test_greedy_oracle_on_the_real_model(real_model, real_hf_model, backen
     assert identical >= len(prompts) - 2, f"only {identical}/{len(prompts)} identical"
 
 
-async def test_bf16_greedy_on_the_real_model(real_model, real_hf_model) -> None:
+@pytest.mark.parametrize(("native", "min_identical"), [(False, 8), (True, 5)], ids=["torch-ops", "native-kernels"])
+async def test_bf16_greedy_on_the_real_model(real_model, real_hf_model, native: bool, min_identical: int) -> None:
     """bf16 on CPU (matmul attention, packed bf16 weights): transformers' bf16 greedy generate with eager
-    attention, by vLLM's rule, for 8 prompts of 5-600 tokens prefilled in chunks over two query tiles."""
+    attention, by vLLM's rule, for 8 prompts of 5-600 tokens prefilled in chunks over two query tiles.
+
+    On torch ops the arithmetic is eager's bit for bit: every prompt identical. The native kernels sum
+    in another order (attention, RMSNorm), which flips near ties: measured 6/8 identical, the other
+    two within vLLM's rule."""
     from transformers import AutoModelForCausalLM
 
     _, tokenizer = real_hf_model
@@ -106,7 +111,8 @@ async def test_bf16_greedy_on_the_real_model(real_model, real_hf_model) -> None:
                                                      attn_implementation="eager").eval()
     prompts = [text_prompt(tokenizer, 5 + (600 - 5) * i // 7, seed=100 + i) for i in range(8)]
     max_new = 16
-    async with Engine(real_model, dtype="bfloat16", max_num_seqs=8, max_batch_tokens=256) as engine:
+    async with Engine(real_model, dtype="bfloat16", max_num_seqs=8, max_batch_tokens=256,
+                      native_kernels=native) as engine:
         results = await greedy_with_arrivals(engine, prompts, max_new, at_once=8, gap_s=0.05)
         assert engine.stats()["kv_blocks_used"] == 0
     identical = 0
@@ -114,8 +120,7 @@ async def test_bf16_greedy_on_the_real_model(real_model, real_hf_model) -> None:
         ref_tokens, ref_tops = hf_greedy_with_logprobs(ref_model, prompt, max_new)
         ours_tops = [lp.top for lp in results[i].logprobs]
         identical += check_logprobs_close(results[i].token_ids, ours_tops, ref_tokens, ref_tops, f"prompt {i}")
-    # measured 8/8 with torch ops; 7/8 with the native kernels (the eighth within the rule)
-    assert identical >= len(prompts) - 2, f"only {identical}/{len(prompts)} identical"
+    assert identical >= min_identical, f"only {identical}/{len(prompts)} identical"
 
 
 async def test_speculative_greedy_on_the_real_model(real_model, real_hf_model) -> None:
