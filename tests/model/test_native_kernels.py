@@ -182,7 +182,7 @@ def test_without_a_working_compiler_attention_stays_on_torch_ops(
 
 def test_a_second_openmp_runtime_turns_the_kernel_off(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where torch's OpenMP is not libgomp, kernels built with -fopenmp would start threads of their own."""
-    monkeypatch.setattr(native_kernels, "_libgomp_paths", lambda: set())
+    monkeypatch.setattr(native_kernels, "loaded_libgomp_paths", lambda: set())
     load_native_kernels.cache_clear()
     try:
         assert load_native_kernels(64, 3) is None

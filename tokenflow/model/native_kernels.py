@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from tokenflow.model.openmp_team import loaded_libgomp_paths
 from tokenflow.models.cache import tokenflow_home
 
 __all__ = ("NativeKernels", "load_native_kernels")
@@ -108,7 +109,6 @@ class NativeKernels:
             raise MemoryError("causal_softmax_: out of memory")
         return scores
 
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Llama-family RMSNorm of bf16 `x [..., width]` (contiguous) with a bf16 `weight [width]`."""
         width = x.shape[-1]
@@ -119,14 +119,6 @@ class NativeKernels:
         out = torch.empty_like(x)
         self._rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // width, width, eps, out.data_ptr())
         return out
-
-
-def _libgomp_paths() -> set[str]:
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return set()
-    return {line.split()[-1] for line in maps.splitlines() if "libgomp" in line.rsplit("/", 1)[-1]}
 
 
 def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
@@ -173,7 +165,7 @@ def _build(compiler: str, folder: Path, head_dim: int, group: int) -> Path:
 def load_native_kernels(head_dim: int, group: int) -> NativeKernels | None:
     """The library built for this head geometry, or None (logged) where it cannot be built or would
     bring its own OpenMP runtime."""
-    torch_gomp = _libgomp_paths()
+    torch_gomp = loaded_libgomp_paths()
     if len(torch_gomp) != 1:
         log.info("native kernels off: torch does not use libgomp here (%s)", sorted(torch_gomp) or "none")
         return None
@@ -187,7 +179,7 @@ def load_native_kernels(head_dim: int, group: int) -> NativeKernels | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("native kernels off: %s", e)
         return None
-    if _libgomp_paths() != torch_gomp:  # loaded, but bound to a second OpenMP runtime: leave it unused
+    if loaded_libgomp_paths() != torch_gomp:  # loaded, but bound to a second OpenMP runtime: leave it unused
         log.warning("native kernels off: the kernel loaded a second OpenMP runtime")
         return None
     log.info("native kernels: %s", path)

@@ -20,21 +20,26 @@ import functools
 import logging
 from pathlib import Path
 
-__all__ = ("release_openmp_team",)
+__all__ = ("loaded_libgomp_paths", "release_openmp_team")
 
 log = logging.getLogger("tokenflow")
 
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: drop the threads, keep nothing that must be rebuilt
 
 
-@functools.cache
-def _libgomp() -> ctypes.CDLL | None:
-    """torch's libgomp, if this process has one loaded (Linux builds); None otherwise."""
+def loaded_libgomp_paths() -> set[str]:
+    """Files of every libgomp mapped into this process (empty off Linux or without one)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return None
-    paths = sorted({line.split()[-1] for line in maps.splitlines() if "libgomp" in line.rsplit("/", 1)[-1]})
+        return set()
+    return {line.split()[-1] for line in maps.splitlines() if "libgomp" in line.rsplit("/", 1)[-1]}
+
+
+@functools.cache
+def _libgomp() -> ctypes.CDLL | None:
+    """torch's libgomp, if this process has one loaded (Linux builds); None otherwise."""
+    paths = sorted(loaded_libgomp_paths())
     import torch
 
     torch_dir = str(Path(torch.__file__).parent)
