@@ -22,9 +22,8 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
-
 #include <stdlib.h>
+#include <string.h>
 
 #if !defined(HEAD_DIM) || !defined(GROUP)
 #error "build with -DHEAD_DIM=<head_dim> -DGROUP=<query heads per KV head>"
@@ -47,6 +46,14 @@ static inline uint16_t float_to_bf16(float f) /* round to nearest even; inputs a
 }
 
 static inline float round_to_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+/* One head's row of bf16 keys or values, widened to fp32 once for the GROUP query heads that use it. */
+static inline void load_row(float row[HEAD_DIM], const uint16_t *src)
+{
+#pragma omp simd
+    for (int64_t x = 0; x < HEAD_DIM; ++x)
+        row[x] = bf16_to_float(src[x]);
+}
 
 /* Copy a sequence's first `length` slots of one cache, block by block, into `stage` (contiguous). */
 static inline void stage_blocks(uint16_t *stage, const uint16_t *cache, const int64_t *table, int64_t length,
@@ -107,17 +114,14 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
                 acc[x] = 0.f;
             }
 
-            /* scores: each key row converted once for the GROUP query heads that share it */
+            /* scores */
             stage_blocks(stage, k_cache, table, length, block_size, slot_stride);
             for (int64_t kh = 0; kh < kv_heads; ++kh) {
                 float qv[GROUP][HEAD_DIM] __attribute__((aligned(64)));
                 memcpy(qv, query + kh * GROUP * HEAD_DIM, sizeof qv);
                 for (int64_t t = 0; t < length; ++t) {
-                    const uint16_t *key = stage + t * slot_stride + kh * HEAD_DIM;
                     float row[HEAD_DIM] __attribute__((aligned(64)));
-#pragma omp simd
-                    for (int64_t x = 0; x < HEAD_DIM; ++x)
-                        row[x] = bf16_to_float(key[x]);
+                    load_row(row, stage + t * slot_stride + kh * HEAD_DIM);
                     for (int64_t g = 0; g < GROUP; ++g) {
                         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -151,11 +155,8 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
                 float a[GROUP][HEAD_DIM] __attribute__((aligned(64)));
                 memcpy(a, acc + kh * GROUP * HEAD_DIM, sizeof a);
                 for (int64_t t = 0; t < length; ++t) {
-                    const uint16_t *value = stage + t * slot_stride + kh * HEAD_DIM;
                     float row[HEAD_DIM] __attribute__((aligned(64)));
-#pragma omp simd
-                    for (int64_t x = 0; x < HEAD_DIM; ++x)
-                        row[x] = bf16_to_float(value[x]);
+                    load_row(row, stage + t * slot_stride + kh * HEAD_DIM);
                     for (int64_t g = 0; g < GROUP; ++g) {
                         const float weight = probs[(kh * GROUP + g) * max_length + t];
 #pragma omp simd
