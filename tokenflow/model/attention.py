@@ -92,7 +92,8 @@ class PrefillSegment:
     start_pos: int  # tokens of this sequence already in the cache before the chunk
     kv_len: int  # start_pos + chunk length: keys the last row sees
     block_ids: torch.Tensor | None  # [ceil(kv_len / block_size)] long; None when start_pos == 0
-    # [q_len, kv_len] additive (0 / -inf) in model dtype; None: plain causal (never with matmul attention)
+    # [q_len, kv_len] additive (0 / -inf) in model dtype; None: plain causal (with matmul attention, only
+    # when the native kernels' softmax masks by position)
     mask: torch.Tensor | None
 
 
@@ -220,7 +221,6 @@ def paged_attention_forward(
             k = k_blocks.view(shape)[:, : seg.kv_len].transpose(1, 2)
             v = v_blocks.view(shape)[:, : seg.kv_len].transpose(1, 2)
         if meta.matmul_attention:
-            assert seg.mask is not None
             pieces.append(prefill_attention(q_rows[seg.q_start : seg.q_end], k[0], v[0], seg.mask, scale, meta.native))
             continue
         out = F.scaled_dot_product_attention(

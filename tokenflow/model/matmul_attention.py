@@ -54,11 +54,15 @@ def prefill_attention(
     q: torch.Tensor,  # [t, H, D]: the chunk's queries, at positions start .. start + t - 1
     k: torch.Tensor,  # [KVH, L, D]: keys of positions 0 .. L - 1 (L = start + t)
     v: torch.Tensor,  # [KVH, L, D]
-    mask: torch.Tensor,  # [t, L] additive causal mask (0 / -inf) of the chunk, in q's dtype
+    mask: torch.Tensor | None,  # [t, L] additive causal mask (0 / -inf) of the chunk, in q's dtype
     scale: float,
     native: NativeKernels | None = None,  # its one-pass causal softmax replaces `_probabilities` and `mask`
 ) -> torch.Tensor:
-    """Causal attention of one chunk over its sequence's keys; returns `[t, H, D]`."""
+    """Causal attention of one chunk over its sequence's keys; returns `[t, H, D]`.
+
+    `mask` may be None only with `native`."""
+    if native is None and mask is None:
+        raise ValueError("prefill_attention needs the causal mask unless the native softmax applies it")
     t, num_heads, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads

@@ -296,7 +296,7 @@ class PagedModelRunner:
                 slots.extend(range(base + max(s, b * bs), base + min(e, (b + 1) * bs)))
             block_ids = None if s == 0 else torch.tensor(table[: -(-e // bs)], dtype=torch.long, device=self.device)
             mask = None
-            if s > 0 or self.matmul_attention:
+            if (s > 0 or self.matmul_attention) and self.native is None:  # the native softmax masks by position
                 # [t, e] additive: row i (position s + i) sees keys j <= s + i; two cheap ops
                 mask = torch.full((t, e), float("-inf"), dtype=self.dtype, device=self.device).triu_(s + 1)
             segments.append(PrefillSegment(row, row + t, s, e, block_ids, mask))
