@@ -96,28 +96,37 @@ async def test_greedy_oracle_on_the_real_model(real_model, real_hf_model, backen
     assert identical >= len(prompts) - 2, f"only {identical}/{len(prompts)} identical"
 
 
-@pytest.mark.parametrize(("native", "min_identical"), [(False, 8), (True, 5)], ids=["torch-ops", "native-kernels"])
-async def test_bf16_greedy_on_the_real_model(real_model, real_hf_model, native: bool, min_identical: int) -> None:
-    """bf16 on CPU (matmul attention, packed bf16 weights): transformers' bf16 greedy generate with eager
-    attention, by vLLM's rule, for 8 prompts of 5-600 tokens prefilled in chunks over two query tiles.
+BF16_MAX_NEW = 16
 
-    On torch ops the arithmetic is eager's bit for bit: every prompt identical. The native kernels sum
-    in another order (attention, RMSNorm), which flips near ties: measured 6/8 identical, the other
-    two within vLLM's rule."""
+
+@pytest.fixture(scope="module")
+def bf16_reference(real_model, real_hf_model):
+    """8 prompts of 5-600 tokens and transformers' bf16 eager greedy tokens and top-5 for each, computed
+    once for both attention paths."""
     from transformers import AutoModelForCausalLM
 
     _, tokenizer = real_hf_model
     ref_model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.bfloat16,
                                                      attn_implementation="eager").eval()
     prompts = [text_prompt(tokenizer, 5 + (600 - 5) * i // 7, seed=100 + i) for i in range(8)]
-    max_new = 16
+    return prompts, [hf_greedy_with_logprobs(ref_model, prompt, BF16_MAX_NEW) for prompt in prompts]
+
+
+@pytest.mark.parametrize(("native", "min_identical"), [(False, 8), (True, 5)], ids=["torch-ops", "native-kernels"])
+async def test_bf16_greedy_on_the_real_model(real_model, bf16_reference, native: bool, min_identical: int) -> None:
+    """bf16 on CPU (matmul attention, packed bf16 weights): transformers' bf16 greedy generate with eager
+    attention, by vLLM's rule, for 8 prompts of 5-600 tokens prefilled in chunks over two query tiles.
+
+    On torch ops the arithmetic is eager's bit for bit: every prompt identical. The native kernels sum
+    in another order (attention, RMSNorm), which flips near ties: measured 6/8 identical, the other
+    two within vLLM's rule."""
+    prompts, references = bf16_reference
     async with Engine(real_model, dtype="bfloat16", max_num_seqs=8, max_batch_tokens=256,
                       native_kernels=native) as engine:
-        results = await greedy_with_arrivals(engine, prompts, max_new, at_once=8, gap_s=0.05)
+        results = await greedy_with_arrivals(engine, prompts, BF16_MAX_NEW, at_once=8, gap_s=0.05)
         assert engine.stats()["kv_blocks_used"] == 0
     identical = 0
-    for i, prompt in enumerate(prompts):
-        ref_tokens, ref_tops = hf_greedy_with_logprobs(ref_model, prompt, max_new)
+    for i, (ref_tokens, ref_tops) in enumerate(references):
         ours_tops = [lp.top for lp in results[i].logprobs]
         identical += check_logprobs_close(results[i].token_ids, ours_tops, ref_tokens, ref_tops, f"prompt {i}")
     assert identical >= min_identical, f"only {identical}/{len(prompts)} identical"
