@@ -24,7 +24,7 @@ __all__ = ("EngineConfig",)
 
 ENV_PREFIX = "TOKENFLOW_"
 # Environment variables with this prefix that are not engine settings.
-_ENV_NOT_SETTINGS = frozenset({"TOKENFLOW_HOME", "TOKENFLOW_PLUGINS", "TOKENFLOW_CONFIG"})
+_ENV_NOT_SETTINGS = frozenset({"TOKENFLOW_HOME", "TOKENFLOW_PLUGINS", "TOKENFLOW_CONFIG", "TOKENFLOW_API_KEY"})
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 
@@ -76,6 +76,20 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     length_buckets: list[Positive] = msgspec.field(default_factory=lambda: [32, 64, 128, 256, 512, 1024, 2048])
     tokenizer_window_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
     tokenizer_cache_size: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    tokenizer_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 * 2**20  # prompt text + ids kept in that LRU
+    # -- request limits (every field of a request is untrusted) --
+    default_max_tokens: Positive = 128  # a request without max_tokens: this many, fewer when the context is shorter
+    clamp_max_tokens: bool = False  # an explicit max_tokens past the context: clamp it (True) or refuse it
+    max_prompt_chars: Positive | None = None  # None: max_model_len x the longest token's characters
+    max_stop_strings: Positive = 16
+    max_stop_string_chars: Positive = 256
+    max_stop_token_ids: Positive = 256
+    max_logprobs: Annotated[int, msgspec.Meta(ge=0)] = 20  # top alternatives per token a request may ask for
+    allow_special_tokens_in_chat: bool = False  # chat content spelling control tokens is tokenized as text unless True
+    # -- tiers --
+    cache_secret: str | None = None  # HMAC key of disk/Redis entries; disk default: a random secret kept in cache_dir
+    tier_load_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0  # a slower tier load is dropped: recompute
+    disk_flush_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0  # aclose() writes hottest blocks first
     num_threads: Positive | None = None
     self_check: bool = True
     attention: Literal["dense", "sliding", "topk"] = "dense"

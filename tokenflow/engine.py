@@ -22,8 +22,9 @@ import anyio.to_thread
 
 from tokenflow import registry
 from tokenflow.config import EngineConfig
-from tokenflow.errors import DeadlineExceeded, EngineClosed, InvalidRequest, TokenflowError
+from tokenflow.errors import DeadlineExceeded, EngineClosed, EngineError, InvalidRequest, TokenflowError
 from tokenflow.kv.block_hash import model_key
+from tokenflow.limits import RequestLimits
 from tokenflow.model.loader import load_model
 from tokenflow.model.openmp_team import release_openmp_team
 from tokenflow.model.sampler import make_generator
@@ -61,7 +62,11 @@ class Engine:
         self._background: _Background | None = None
         self._chain: NextStage | None = None
         self._stages: list[Any] = []
+        self._started: list[Any] = []  # stages whose start() ran, in order: stopped at close or after a failed start
         self._batcher: Any = None
+        self._model_thread: ModelThread | None = None
+        self._model_thread_task: _Background | None = None
+        self.limits: RequestLimits | None = None
         self.model_name = ""
 
     # -- lifecycle -----------------------------------------------------------
@@ -73,23 +78,26 @@ class Engine:
         await self.aclose()
 
     async def start(self) -> None:
-        """Load the model and start the step loop (idempotent)."""
+        """Load the model and start the step loop (idempotent). A start that fails stops whatever it
+        had started and leaves the engine as new: closable, or startable again."""
         if self._state != "new":
             return
         self._state = "starting"
         config = self.config
-        release_openmp_team()  # this thread's idle OpenMP helpers would slow every step of the model thread
-        resolved = await anyio.to_thread.run_sync(resolve_model, config.model)
-        self.model_name = resolved.name
-        model_thread = self._model_thread = ModelThread()
-        self._model_thread_task = _spawn(model_thread.serve, "tokenflow-model-thread")
         try:
+            release_openmp_team()  # this thread's idle OpenMP helpers would slow every step of the model thread
+            resolved = await anyio.to_thread.run_sync(resolve_model, config.model)
+            self.model_name = resolved.name
+            model_thread = self._model_thread = ModelThread()
+            self._model_thread_task = _spawn(model_thread.serve, "tokenflow-model-thread")
             await self._start_on(model_thread, resolved.path)
+            if config.warmup:
+                await self._warm_up()
         except BaseException:
-            model_thread.close()
+            with anyio.CancelScope(shield=True):
+                await self._teardown(EngineClosed("the engine failed to start"))
+            self._state = "new"
             raise
-        if config.warmup:
-            await self._warm_up()
 
     async def _start_on(self, model_thread: ModelThread, path: Any) -> None:
         config = self.config
@@ -109,12 +117,14 @@ class Engine:
         for name, stage in [*zip(config.request_stages, stages), (config.batcher, batcher)]:
             ctx.shared[name] = stage
         for stage in [*stages, batcher]:
+            self._started.append(stage)  # stopped after a failure, even a failure inside its own start()
             if hasattr(stage, "start"):
                 await stage.start(ctx)
         self._stages = stages
         self._batcher = batcher
         self.ctx = ctx
         self.loaded = loaded
+        self.limits = RequestLimits.from_config(config, loaded.max_model_len, loaded.tokenizer)
         self.output = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, loaded.max_model_len)
         self._loop = StepLoop(
             backend, batcher, self.output, loaded, ctx.observers, model_thread=model_thread,
@@ -148,21 +158,30 @@ class Engine:
             self._state = "closed"
             return
         self._state = "closing"
-        loop = self._loop
-        assert loop is not None
-        with anyio.move_on_after(drain_timeout):
-            await loop.wait_idle()
-        loop.fail_all(EngineClosed("the engine was closed before this request finished"))
-        await self._background.stop()
-        for stage in [*self._stages, self._batcher]:
+        if self._loop is not None:
+            with anyio.move_on_after(drain_timeout):
+                await self._loop.wait_idle()
+        await self._teardown(EngineClosed("the engine was closed before this request finished"))
+        self._state = "closed"
+
+    async def _teardown(self, error: Exception) -> None:
+        """Stop whatever runs, in reverse order of starting: step loop, stages, model thread."""
+        if self._loop is not None:
+            self._loop.fail_all(error)
+        if self._background is not None:
+            await self._background.stop()
+            self._background = None
+        started, self._started = self._started, []
+        for stage in started:
             if hasattr(stage, "stop"):  # e.g. the disk tier flushes the pool's cached blocks
                 try:
                     await stage.stop()
                 except Exception:
                     log.exception("stopping stage %r failed", stage)
-        self._model_thread.close()
-        await self._model_thread_task.wait()
-        self._state = "closed"
+        if self._model_thread is not None and self._model_thread_task is not None:
+            self._model_thread.close()
+            await self._model_thread_task.wait()
+        self._model_thread = self._model_thread_task = None
 
     # -- public API ----------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Completion:
@@ -213,6 +232,9 @@ class Engine:
                      messages: Any = None) -> Request:
         self._check_open()
         sampling = SamplingParams.from_kwargs(params, **kwargs)
+        assert self.limits is not None
+        self.limits.check_params(sampling)
+        self.limits.check_prompt(prompt, messages)
         request = Request(sampling, messages=messages, arrival_time=anyio.current_time())
         if messages is None:
             if isinstance(prompt, str):
@@ -241,7 +263,8 @@ class Engine:
         if request.deadline is not None and anyio.current_time() >= request.deadline:
             raise TimeoutError  # `_results` turns it into DeadlineExceeded
         self._check_open()
-        assert self._loop is not None
+        assert self._loop is not None and self.limits is not None
+        request.max_tokens = self.limits.max_new_tokens(request.params, request.num_prompt_tokens)
         self.output.prepare(request)
         if request.params.seed is not None:
             request.extras["generator"] = make_generator(request.params.seed, self.loaded.device)
@@ -280,6 +303,10 @@ class Engine:
         except TokenflowError:  # refused on the request path (or already ended by the loop)
             loop.abort(request, "rejected")
             raise
+        except Exception as exc:  # a stage's bug: this request fails alone, with a typed error
+            log.exception("the request path failed for %s", request.request_id)
+            loop.abort(request, "failed")
+            raise EngineError(f"the request path failed: {exc!r}") from exc
         except BaseException:
             loop.abort(request)
             raise

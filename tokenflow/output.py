@@ -53,10 +53,10 @@ class OutputProcessor:
         finish: str | None = None
         text = ""
         if num_out > params.min_tokens and (
-            token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
+            token_id in request.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
         ):
             finish = "stop"
-            request.stop_reason = token_id if token_id in params.stop_token_ids else None
+            request.stop_reason = token_id if token_id in request.stop_token_ids else None
         else:
             text = request.extras["detokenizer"].push(token_id)
             stops: StopStringMatcher | None = request.extras["stops"]
@@ -65,7 +65,7 @@ class OutputProcessor:
                 if matched is not None:
                     finish = "stop"
                     request.stop_reason = matched
-        if finish is None and (num_out >= params.max_tokens or request.num_tokens >= self.max_model_len):
+        if finish is None and (num_out >= request.max_tokens or request.num_tokens >= self.max_model_len):
             finish = "length"
         if finish is not None:
             tail, matched = self._flush(request, stopped_by_string=isinstance(request.stop_reason, str))

@@ -17,8 +17,6 @@ __all__ = ("Chunk", "Completion", "FinishReason", "SamplingParams", "TokenLogpro
 
 FinishReason = Literal["stop", "length", "abort"]
 
-_MAX_LOGPROBS = 20
-
 _INT32 = 2**31 - 1
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
@@ -28,17 +26,19 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     """How to sample one request, and its per-request scheduling knobs.
 
     Defaults follow vLLM: temperature 1.0, nucleus and top-k off, no penalties.
-    `temperature=0` is greedy. `priority`: lower is served first.
+    `temperature=0` is greedy. `max_tokens=None` takes the engine's `default_max_tokens`
+    (fewer when the context has less room); an explicit value past the context is refused.
+    Penalties are bounded so that no value can turn logits into inf or NaN. `priority`: lower is served first.
     `timeout` is seconds from submission; `deadline` an absolute time on the
     `anyio.current_time()` clock; the earlier of the two applies.
     """
 
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=_INT32)] = 128
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=_INT32)] | None = None
     temperature: NonNegFloat = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, msgspec.Meta(ge=0, le=_INT32)] = 0  # 0 disables top-k
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    repetition_penalty: Annotated[float, msgspec.Meta(ge=0.01, le=100.0)] = 1.0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     seed: int | None = None
@@ -47,7 +47,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=_INT32)] = 0
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=_MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=_INT32)] | None = None  # at most the engine's max_logprobs
     skip_special_tokens: bool = True
     priority: Annotated[int, msgspec.Meta(ge=-_INT32, le=_INT32)] = 0
     timeout: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
@@ -82,11 +82,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
         Raises `InvalidRequest` naming the field for an unknown keyword, a wrong
         type or an out-of-range value.
         """
-        if params is not None:
+        if params is not None:  # checked again: a Struct built directly skips its constraints
             if not isinstance(params, SamplingParams):
                 raise InvalidRequest("`params` must be a tokenflow.SamplingParams", field="params")
-            if not kwargs:
-                return params
             kwargs = {**msgspec.structs.asdict(params), **kwargs}
         if isinstance(kwargs.get("stop"), str):
             kwargs["stop"] = [kwargs["stop"]]

@@ -17,6 +17,7 @@ from tokenflow.params import Chunk, SamplingParams, TokenLogprob
 __all__ = ("OutputCollector", "Request", "RequestStatus")
 
 _ids = itertools.count()
+_DEFAULT_MAX_TOKENS = 128  # a Request built outside the engine (tests, tools); the engine resolves its own
 
 
 class RequestStatus(enum.Enum):
@@ -94,6 +95,9 @@ class Request:
     arrival_time: float = 0.0
     deadline: float | None = None
     status: RequestStatus = RequestStatus.ADMITTING
+    # The token budget: `params.max_tokens`, or the engine's default, resolved against the context at enqueue.
+    max_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()  # `params.stop_token_ids` as a set, built once
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -112,6 +116,12 @@ class Request:
     collector: OutputCollector = field(default_factory=OutputCollector)
     # Per-request helpers set by stages: a seeded torch.Generator, the detokenizer, ...
     extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.max_tokens:
+            self.max_tokens = self.params.max_tokens or _DEFAULT_MAX_TOKENS
+        if not self.stop_token_ids and self.params.stop_token_ids:
+            self.stop_token_ids = frozenset(self.params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,16 +27,16 @@ import anyio
 import anyio.from_thread
 import torch
 
-from tokenflow.errors import EngineError
+from tokenflow.errors import EngineError, InvalidRequest
 from tokenflow.model.loader import LoadedModel
-from tokenflow.model.sampler import Sampler, SamplerOutput, row_of
+from tokenflow.model.sampler import RowFailure, Sampler, SamplerOutput, row_of
 from tokenflow.model_thread import ModelThread
 from tokenflow.ngram_speculation import accepted_tokens
 from tokenflow.output import OutputProcessor
 from tokenflow.protocols import StepPlan
 from tokenflow.request import Request, RequestStatus
 
-__all__ = ("MAX_CONSECUTIVE_FAILURES", "KVLeakError", "StepLoop")
+__all__ = ("MAX_CONSECUTIVE_FAILURES", "KVLeakError", "StepLoop", "notify_request_end", "sampling_error")
 
 log = logging.getLogger("tokenflow")
 
@@ -55,6 +55,22 @@ class StepTokens:
 # (request, token, logprob, in_cache): a taken token, and whether its K/V is already in the cache
 # (an accepted draft token, computed in the step that verified it).
 TokenItem = tuple[Request, int, Any, bool]
+
+
+def notify_request_end(observers: list[Any], request: Request, outcome: str) -> None:
+    """Tell every observer; one that raises is logged and the others still hear of it."""
+    for observer in observers:
+        try:
+            observer.on_request_end(request, outcome)
+        except Exception:
+            log.exception("observer %r failed in on_request_end", observer)
+
+
+def sampling_error(failure: RowFailure) -> Exception:
+    """A row that drew no token fails its own request: an engine fault, or the caller's parameters."""
+    if failure.model_fault:
+        return EngineError(f"sampling failed: {failure.reason}")
+    return InvalidRequest(f"sampling failed: {failure.reason}", field="params")
 
 
 class KVLeakError(RuntimeError):
@@ -194,6 +210,11 @@ class StepLoop:
             if not samples:
                 continue
             sampled = result.sampled
+            failure = sampled.failed.get(j)
+            if failure is not None:
+                self._fail(request, sampling_error(failure))
+                j += 1
+                continue
             logprob = sampled.logprobs[j] if sampled.logprobs is not None else None
             tokens = [sampled.token_ids[j]]
             if chunk.draft:
@@ -240,9 +261,11 @@ class StepLoop:
         if not batch:
             return
 
-        def on_tokens(items: list[tuple[Request, int, Any]]) -> None:
+        def on_tokens(items: list[tuple[Request, int, Any]], failed: list[tuple[Request, RowFailure]]) -> None:
             taken = [(request, token, logprob, False) for request, token, logprob in items]
             anyio.from_thread.run_sync(self._accept_tokens, taken)
+            for request, failure in failed:
+                anyio.from_thread.run_sync(self._fail, request, sampling_error(failure))
 
         started = time.perf_counter()
         try:
@@ -296,12 +319,14 @@ class StepLoop:
         request.collector.fail(error)
 
     def _notify_end(self, request: Request, outcome: str) -> None:
-        for observer in self.observers:
-            observer.on_request_end(request, outcome)
+        notify_request_end(self.observers, request, outcome)
 
     def _notify_step(self, duration_s: float, ok: bool) -> None:
         for observer in self.observers:
-            observer.on_step(duration_s, ok)
+            try:
+                observer.on_step(duration_s, ok)
+            except Exception:  # an observer's bug must not stop the loop (or skip the other observers)
+                log.exception("observer %r failed in on_step", observer)
 
     def _step_failed(self, requests: list[Request], exc: Exception, what: str = "the model step") -> None:
         self._failures += 1

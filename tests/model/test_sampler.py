@@ -24,7 +24,7 @@ def row(prompt=(), output=(), gen: torch.Generator | None = None, **kw) -> Sampl
     params = SamplingParams(**kw)
     if params.seed is not None and gen is None:
         gen = make_generator(params.seed)
-    return SamplingRow(params, list(prompt), list(output), gen)
+    return SamplingRow(params, list(prompt), list(output), gen, frozenset(params.stop_token_ids))
 
 
 def draw(logits_row: torch.Tensor, n: int, seed: int = 0, vocab: int | None = None, **kw) -> Counter[int]:
@@ -446,3 +446,48 @@ def test_drawn_token_is_allowed(data: st.DataObject, **kw: float) -> None:
     r = SamplingRow(p, [], output, make_generator(p.seed or 0))
     token = Sampler(vocab, [EOS]).sample(x[None], [r]).token_ids[0]
     assert token in allowed(x, p, output)
+
+
+# -- total sampling: a bad row fails alone ------------------------------------------------------
+BAD_ROWS = {"nan": float("nan"), "+inf": float("inf"), "all -inf": float("-inf")}
+
+
+@pytest.mark.parametrize("kind", list(BAD_ROWS))
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "top_k", "mixed"])
+def test_a_non_finite_row_fails_alone(kind: str, mode: str) -> None:
+    logits = torch.randn(6, SMALL, generator=torch.Generator().manual_seed(1)) * 3
+    bad = 2
+    if kind == "all -inf":
+        logits[bad] = float("-inf")
+    else:
+        logits[bad, 7] = BAD_ROWS[kind]
+    kws = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.9, seed=3),
+           "top_k": dict(temperature=0.9, top_k=5, seed=3)}
+    rows = [row(**(kws[mode] if mode != "mixed" else list(kws.values())[i % 3]), logprobs=2) for i in range(6)]
+    out = Sampler(SMALL, [EOS]).sample(logits, rows)
+    assert set(out.failed) == {bad} and out.failed[bad].model_fault
+    assert out.logprobs is not None and out.logprobs[bad] is None
+    good = [i for i in range(6) if i != bad]  # the others drew exactly what they draw without the bad row
+    fresh = [row(**(kws[mode] if mode != "mixed" else list(kws.values())[i % 3]), logprobs=2) for i in good]
+    alone = Sampler(SMALL, [EOS]).sample(logits[good], fresh)
+    assert [out.token_ids[i] for i in good] == alone.token_ids and not alone.failed
+    assert all(0 <= out.token_ids[i] < SMALL for i in good)
+
+
+def test_degenerate_parameters_fail_their_row_as_the_callers_fault() -> None:
+    """SamplingParams built directly skip validation: a penalty of 1e-300 turns logits into inf."""
+    logits = torch.randn(3, SMALL, generator=torch.Generator().manual_seed(2)) * 3
+    rows = [row([4, 5, 6], [7], temperature=1.0, seed=1), row([4, 5, 6], [7], temperature=1.0, seed=1,
+                                                                repetition_penalty=1e-300),
+            row(range(SMALL), [], temperature=0.0, repetition_penalty=1e-300)]  # some logit > 0: divided by 0
+    out = Sampler(SMALL, [EOS]).sample(logits, rows)
+    assert set(out.failed) == {1, 2} and not any(f.model_fault for f in out.failed.values())
+    assert 0 <= out.token_ids[0] < SMALL
+
+
+def test_an_out_of_vocabulary_draw_is_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last guard: whatever the draw returns, an id past the vocabulary never leaves the sampler."""
+    monkeypatch.setattr(sampler_mod, "_inverse_cdf", lambda logits, u, scratch: torch.full_like(u, SMALL).long())
+    logits = torch.randn(2, SMALL)
+    out = Sampler(SMALL, [EOS]).sample(logits, [row(temperature=1.0), row(temperature=0.0)])
+    assert set(out.failed) == {0}

@@ -107,6 +107,6 @@ async def test_kv_stays_flat_and_generation_runs_past_the_trained_context(short_
         assert count == 1500
         assert engine.stats()["kv_blocks_used"] == 0
     assert max(used) <= 1 + 4 + 1 + 1, max(used)  # sink block + 64/16 window blocks + the growing one + spare
-    async with Engine(short_context_model, num_kv_blocks=64) as engine:  # dense: grows, capped by the model
+    async with Engine(short_context_model, num_kv_blocks=64, clamp_max_tokens=True) as engine:  # dense: capped
         done = await engine.generate(prompt, max_tokens=1500, temperature=0.0, ignore_eos=True)
         assert done.finish_reason == "length" and len(done.token_ids) == 512 - len(prompt)

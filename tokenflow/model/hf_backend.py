@@ -17,14 +17,15 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from tokenflow.config import EngineConfig
-from tokenflow.model.sampler import Sampler, row_of
+from tokenflow.model.sampler import RowFailure, Sampler, row_of
 from tokenflow.protocols import EngineContext
 from tokenflow.request import Request
 
 __all__ = ("HFBackend", "create")
 
-# on_tokens(list of (request, token_id, logprob)) -> None; called from the worker thread.
-TokenSink = Callable[[list[tuple[Request, int, Any]]], None]
+# on_tokens(list of (request, token_id, logprob), list of (request, why it drew no token)) -> None;
+# called from the worker thread.
+TokenSink = Callable[[list[tuple[Request, int, Any]], list[tuple[Request, RowFailure]]], None]
 
 
 class _SampleWithTokenflow:
@@ -43,14 +44,18 @@ class _SampleWithTokenflow:
             return forced
         rows = [row_of(self.requests[i]) for i in live]
         out = self.sampler.sample(scores[live], rows)
-        report = []
+        report, failed = [], []
         for j, i in enumerate(live):
+            if j in out.failed:  # its request fails alone (on_tokens marks it finished); the row idles
+                forced[i, 0] = 0.0
+                failed.append((self.requests[i], out.failed[j]))
+                continue
             forced[i, out.token_ids[j]] = 0.0
             logprob = out.logprobs[j] if out.logprobs is not None else None
             report.append((self.requests[i], out.token_ids[j], logprob))
         dead = [i for i, r in enumerate(self.requests) if r.finished]
         forced[dead, 0] = 0.0
-        self.on_tokens(report)
+        self.on_tokens(report, failed)
         return forced
 
 
@@ -94,7 +99,7 @@ class HFBackend:
             tokens = r.all_token_ids
             ids[i, longest - len(tokens):] = torch.tensor(tokens)
             mask[i, longest - len(tokens):] = 1
-        budget = max(min(r.params.max_tokens - len(r.output_token_ids), self.max_model_len - longest)
+        budget = max(min(r.max_tokens - len(r.output_token_ids), self.max_model_len - longest)
                      for r in requests)
         self.num_batches += 1
         self.num_prompt_tokens += sum(r.num_tokens for r in requests)

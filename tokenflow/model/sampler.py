@@ -9,6 +9,10 @@ Top-k / top-p rows first look at their top 64 (then 1024, 8192) candidates and f
 sort only when the nucleus or the top-k set does not fit: sorting 256 x 49,152 takes ~1.5 s on a CPU core.
 Penalties touch only the logits of tokens that occurred (O(tokens), not O(rows x vocab)), and the
 `[rows, vocab]` intermediates live in scratch buffers reused across steps.
+
+Sampling is total: a row whose logits are NaN, +inf or all -inf when it is drawn gets no token but an
+entry in `SamplerOutput.failed` (its own request fails; the other rows of the step are unaffected), and
+every drawn id is checked to lie in the vocabulary.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
@@ -24,7 +28,7 @@ import torch
 from tokenflow.params import SamplingParams, TokenLogprob
 from tokenflow.request import Request
 
-__all__ = ("Sampler", "SamplerOutput", "SamplingRow", "has_penalty", "make_generator", "row_of")
+__all__ = ("RowFailure", "Sampler", "SamplerOutput", "SamplingRow", "has_penalty", "make_generator", "row_of")
 
 _GREEDY_EPS = 1e-5  # as vLLM: dividing by a smaller temperature overflows fp32, so treat it as greedy
 _STAGES = (64, 1024, 8192)  # candidate counts tried before a full sort for top-k / top-p rows
@@ -39,12 +43,23 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far (penalties, min_tokens)
     generator: torch.Generator | None = None  # the request's own, from `make_generator`, when seeded
+    stop_token_ids: Collection[int] = ()  # masked with EOS while min_tokens is not reached
+
+
+@dataclass(frozen=True, slots=True)
+class RowFailure:
+    """Why a row drew no token. `model_fault`: its raw logits were not finite (else its parameters made
+    every token impossible or non-finite)."""
+
+    reason: str
+    model_fault: bool
 
 
 @dataclass(slots=True)
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # a failed row's entry is meaningless
     logprobs: list[TokenLogprob | None] | None  # None when no row asked; else one entry per row
+    failed: dict[int, RowFailure] = field(default_factory=dict)  # row -> why it drew no token
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -65,6 +80,7 @@ def row_of(request: Request) -> SamplingRow:
         prompt_token_ids=request.prompt_token_ids or [],
         output_token_ids=request.output_token_ids,
         generator=request.extras.get("generator"),
+        stop_token_ids=request.stop_token_ids,
     )
 
 
@@ -93,24 +109,38 @@ class Sampler:
         stats = self._logprob_stats(raw, lp_rows, max(p.logprobs or 0 for p in params)) if lp_rows else None
 
         greedy = [i for i, p in enumerate(params) if p.temperature < _GREEDY_EPS]
-        if len(greedy) == n:
-            tokens = self._rows(raw, greedy, rows, "tmp").argmax(-1)
-        else:
-            tokens = torch.empty(n, dtype=torch.long, device=raw.device)
-            if greedy:
-                tokens[greedy] = self._rows(raw, greedy, rows, "tmp").argmax(-1)
-            order, sampled = self._sample_random(raw, rows, set(greedy))
+        tokens = torch.empty(n, dtype=torch.long, device=raw.device)
+        bad = torch.zeros(n, dtype=torch.bool, device=raw.device)
+        if greedy:
+            x = self._rows(raw, greedy, rows, "tmp")
+            best = x.argmax(-1)
+            # argmax lands on a NaN or +inf when the row has one, and on -inf only when all are: one gather checks
+            bad[greedy] = ~x.gather(1, best[:, None]).squeeze(1).isfinite()
+            tokens[greedy] = best
+        if len(greedy) < n:
+            order, sampled, order_bad = self._sample_random(raw, rows, set(greedy))
             tokens[order] = sampled
+            bad[order] = order_bad
+        bad |= (tokens < 0) | (tokens >= raw.shape[1])
         token_ids = tokens.tolist()
+        failed = {i: self._failure(raw[i]) for i in bad.nonzero().squeeze(-1).tolist()} if bad.any() else {}
         if stats is None:
-            return SamplerOutput(token_ids, None)
+            return SamplerOutput(token_ids, None, failed)
         max_l, log_z, top_v, top_i = stats
         chosen = (raw[lp_rows, tokens[lp_rows]] - max_l - log_z).tolist()
         out: list[TokenLogprob | None] = [None] * n
         for j, i in enumerate(lp_rows):
             w = params[i].logprobs or 0
-            out[i] = TokenLogprob(token_ids[i], chosen[j], dict(zip(top_i[j][:w], top_v[j][:w], strict=True)))
-        return SamplerOutput(token_ids, out)
+            if i not in failed:
+                out[i] = TokenLogprob(token_ids[i], chosen[j], dict(zip(top_i[j][:w], top_v[j][:w], strict=True)))
+        return SamplerOutput(token_ids, out, failed)
+
+    @staticmethod
+    def _failure(raw_row: torch.Tensor) -> RowFailure:
+        """Only on failure: tell a model fault (raw logits not finite) from degenerate sampling parameters."""
+        if not raw_row.isfinite().all():
+            return RowFailure("the model produced non-finite logits for this request", model_fault=True)
+        return RowFailure("the sampling parameters left no finite logit to sample from", model_fault=False)
 
     def _buf(self, name: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
         """A `[rows, cols]` fp32 view of the named scratch buffer, grown when too small."""
@@ -152,7 +182,7 @@ class Sampler:
             j * vocab + t
             for j, r in enumerate(rows)
             if len(r.output_token_ids) < r.params.min_tokens
-            for t in {*self.eos_token_ids, *r.params.stop_token_ids}
+            for t in {*self.eos_token_ids, *r.stop_token_ids}
             if 0 <= t < vocab
         ]
         if masked:
@@ -193,9 +223,10 @@ class Sampler:
 
     def _sample_random(
         self, raw: torch.Tensor, rows: Sequence[SamplingRow], greedy: set[int]
-    ) -> tuple[list[int], torch.Tensor]:
-        """(row indices, their tokens) for the non-greedy rows. Rows are regrouped so that top-k/top-p
-        rows by first candidate stage, then the untruncated ones, are contiguous slices, not copies."""
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """(row indices, their tokens, which rows could not be drawn) for the non-greedy rows. Rows are
+        regrouped so that top-k/top-p rows by first candidate stage, then the untruncated ones, are
+        contiguous slices, not copies."""
         vocab, dev = raw.shape[1], raw.device
         stages = [k for k in _STAGES if k < vocab] + [vocab]
         idx = [i for i in range(len(rows)) if i not in greedy]
@@ -206,6 +237,9 @@ class Sampler:
         s = self._rows(raw, order, rows, "s")
         temps = torch.tensor([p.temperature for p in ps], device=dev)[:, None]
         s = s.div_(temps) if s is not raw else torch.div(raw, temps, out=self._buf("s", *raw.shape, raw))
+        bad = ~s.amax(-1).isfinite()  # NaN or +inf anywhere, or nothing left: the draw would be garbage
+        if bad.any():
+            s[bad] = 0.0  # drawn harmlessly, reported as failed
         mp = [j for j, p in enumerate(ps) if p.min_p > 0.0]
         if mp:  # p_i < min_p * p_max  <=>  logit_i < max_logit + log(min_p): no softmax needed
             sub = s if len(mp) == len(ps) else s[mp]
@@ -220,7 +254,7 @@ class Sampler:
             out[:t] = self._truncated_sample(s[:t], ps[:t], u[:t], stages)
         if t < len(order):
             out[t:] = _inverse_cdf(s[t:], u[t:], self._buf("tmp", len(order) - t, vocab, s))
-        return order, out
+        return order, out, bad
 
     def _truncated_sample(
         self, s: torch.Tensor, ps: list[SamplingParams], u: torch.Tensor, stages: list[int]

@@ -90,7 +90,7 @@ class BucketingBatcher:
             raise Overloaded(f"the waiting queue is full ({self.max_queue} requests)", retry_after=1.0)
         if self.pool is not None:
             # A request that could never fit would be preempted forever: refuse it now.
-            longest = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
+            longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
             needed = self.pool.blocks_needed(longest)
             if self.window is not None:  # sliding: sinks + window + one step's chunk, however long it runs
                 held = self.pool.blocks_needed(self.sink_tokens) + self.pool.blocks_needed(self.window) + 1
@@ -191,7 +191,7 @@ class BucketingBatcher:
         num_out = len(request.output_token_ids)
         if not can_speculate(params, num_out):
             return []
-        room = min(self.speculative_tokens, budget - 1, params.max_tokens - num_out - 1,
+        room = min(self.speculative_tokens, budget - 1, request.max_tokens - num_out - 1,
                    self.max_model_len - request.num_tokens)
         draft = propose_draft(request.all_token_ids, room)
         if draft:

@@ -3,13 +3,20 @@
 Encodes in worker threads; prompts that arrive within `tokenizer_window_ms`
 of each other are coalesced into one batch call, which the Rust tokenizer
 runs in parallel. An LRU cache keyed by (text, special-tokens flag) skips
-repeated prompts. Chat messages are rendered with the model's chat template
-in the same worker call. The stage also validates the ids it produces (or
-was given) against the vocabulary and the model's context length.
+repeated prompts; it keeps only encodings that fit the context, bounded by
+`tokenizer_cache_bytes`. Chat messages are rendered with the model's chat
+template in the same worker call; text in a message that spells one of the
+model's special tokens (`<|im_end|>`, ...) is encoded as plain text, so a
+caller cannot close its turn and open a system one (unless
+`allow_special_tokens_in_chat`). The stage also validates the ids it
+produces (or was given) against the vocabulary and the model's context length.
 """
 
 from __future__ import annotations
 
+import re
+import secrets
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +25,7 @@ import anyio.to_thread
 import cachetools
 
 from tokenflow.config import EngineConfig
-from tokenflow.errors import InvalidRequest
+from tokenflow.errors import EngineError, InvalidRequest
 from tokenflow.protocols import EngineContext, NextStage
 from tokenflow.request import Request
 
@@ -39,13 +46,26 @@ class _Job:
         self.done = anyio.Event()
 
 
+class _Cached:
+    """An encoding in the LRU, with its share of `tokenizer_cache_bytes` (the text key counts too)."""
+
+    __slots__ = ("ids", "size")
+
+    def __init__(self, text: str, ids: list[int]) -> None:
+        self.ids = array("l", ids)
+        self.size = len(text) + self.ids.itemsize * len(ids) + 200  # + the entry's own overhead
+
+
 class TokenizerStage:
     def __init__(self, config: EngineConfig) -> None:
         self._window_s = config.tokenizer_window_ms / 1000.0
-        self._cache: cachetools.LRUCache[tuple[str, bool], list[int]] = cachetools.LRUCache(
-            maxsize=max(config.tokenizer_cache_size, 1)
+        self._cache: cachetools.LRUCache[tuple[str, bool], _Cached] = cachetools.LRUCache(
+            maxsize=max(config.tokenizer_cache_bytes, 1), getsizeof=lambda entry: entry.size
         )
-        self._cache_enabled = config.tokenizer_cache_size > 0
+        self._cache_entries = config.tokenizer_cache_size
+        self._cache_enabled = config.tokenizer_cache_size > 0 and config.tokenizer_cache_bytes > 0
+        self._special_in_chat = config.allow_special_tokens_in_chat
+        self._special_texts: tuple[str, ...] = ()  # the texts of the tokenizer's special tokens
         self._pending: list[_Job] = []
         self._leader_active = False
         self.tokenizer: Any = None
@@ -59,6 +79,7 @@ class TokenizerStage:
         self.tokenizer = ctx.tokenizer
         self.max_model_len = ctx.max_model_len
         self.vocab_size = ctx.vocab_size
+        self._special_texts = special_token_texts(ctx.tokenizer)
 
     async def handle(self, request: Request, call_next: NextStage) -> None:
         if request.prompt_token_ids is None:
@@ -97,7 +118,7 @@ class TokenizerStage:
             hit = self._cache.get((text, add_special))
             if hit is not None:
                 self.cache_hits += 1
-                return list(hit)
+                return hit.ids.tolist()
         job = _Job(text, messages, add_special)
         self._pending.append(job)
         if not self._leader_active:
@@ -121,9 +142,17 @@ class TokenizerStage:
         finally:
             self._leader_active = False
         try:
-            results = await anyio.to_thread.run_sync(self._encode_jobs, jobs)
-        except Exception:  # one bad prompt must not fail its neighbours: encode each alone
-            results = await anyio.to_thread.run_sync(self._encode_each, jobs)
+            try:
+                results = await anyio.to_thread.run_sync(self._encode_jobs, jobs)
+            except BaseException as exc:  # one bad prompt must not fail its neighbours: encode each alone
+                if not isinstance(exc, Exception) and not _is_tokenizer_panic(exc):
+                    raise
+                results = await anyio.to_thread.run_sync(self._encode_each, jobs)
+        except BaseException as exc:  # cancelled or broken: no follower may wait forever
+            for job in jobs:
+                job.error = job.error or EngineError(f"tokenizing failed: {exc!r}")
+                job.done.set()
+            raise
         self.num_batches += 1
         for job, result in zip(jobs, results):
             if isinstance(result, BaseException):
@@ -131,40 +160,96 @@ class TokenizerStage:
             else:
                 job.result = result
                 self.num_encoded += 1
-                if job.text is not None and self._cache_enabled:
-                    self._cache[(job.text, job.add_special)] = result
+                if job.text is not None and len(result) < self.max_model_len:  # only what can be served
+                    self._remember(job.text, job.add_special, result)
             job.done.set()
+
+    def _remember(self, text: str, add_special: bool, ids: list[int]) -> None:
+        if not self._cache_enabled:
+            return
+        entry = _Cached(text, ids)
+        if entry.size > self._cache.maxsize:
+            return
+        while len(self._cache) >= self._cache_entries:
+            self._cache.popitem()
+        self._cache[(text, add_special)] = entry
 
     def _encode_jobs(self, jobs: list[_Job]) -> list[list[int] | BaseException]:
         """Runs in a worker thread: render chat templates, then one batch encode per flag."""
         texts: list[str | BaseException] = []
-        for job in jobs:
+        results: list[list[int] | BaseException | None] = [None] * len(jobs)
+        for i, job in enumerate(jobs):
             if job.messages is None:
                 texts.append(job.text or "")
                 continue
             try:
-                texts.append(self.render_chat(job.messages))
+                if self._spells_special(job.messages):  # rare: encoded on its own, texts kept as plain text
+                    results[i] = self._encode_chat_literally(job.messages)
+                    texts.append("")
+                else:
+                    texts.append(self.render_chat(job.messages))
+            except InvalidRequest as exc:
+                texts.append(exc)
             except Exception as exc:
                 texts.append(InvalidRequest(f"chat messages could not be rendered: {exc}", field="messages"))
-        results: list[list[int] | BaseException] = [exc for exc in texts]  # type: ignore[misc]
+        for i, text in enumerate(texts):
+            if isinstance(text, BaseException):
+                results[i] = text
         for flag in (True, False):
-            idx = [i for i, job in enumerate(jobs) if job.add_special == flag and isinstance(texts[i], str)]
+            idx = [i for i, job in enumerate(jobs) if job.add_special == flag and results[i] is None]
             if not idx:
                 continue
-            batch = [texts[i] for i in idx]
-            encoded = self.tokenizer(batch, add_special_tokens=flag)["input_ids"]
+            encoded = self.tokenizer([texts[i] for i in idx], add_special_tokens=flag)["input_ids"]
             for i, ids in zip(idx, encoded):
                 results[i] = list(ids)
-        return results
+        return results  # type: ignore[return-value]
 
     def _encode_each(self, jobs: list[_Job]) -> list[list[int] | BaseException]:
         results: list[list[int] | BaseException] = []
         for job in jobs:
             try:
                 results.extend(self._encode_jobs([job]))
-            except Exception as exc:
-                results.append(exc)
+            except BaseException as exc:  # the Rust tokenizer's panics are BaseExceptions
+                if not isinstance(exc, Exception) and not _is_tokenizer_panic(exc):
+                    raise
+                results.append(InvalidRequest(f"the prompt could not be tokenized: {exc!r}", field="prompt"))
         return results
+
+    # -- role boundaries ----------------------------------------------------------------
+    def _spells_special(self, messages: Sequence[dict[str, Any]]) -> bool:
+        if self._special_in_chat or not self._special_texts:
+            return False
+        return any(s in text for m in messages for text in _message_texts(m) for s in self._special_texts)
+
+    def _encode_chat_literally(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Encode a chat whose message texts spell special tokens: those texts with special tokens split
+        into plain text, the template's own text with its control tokens.
+
+        The template is rendered with a unique placeholder in place of each such text, so where the text
+        sits is known exactly; the prompt is cut only there, and the rest tokenizes as usual."""
+        marker = f"TFLITERAL{secrets.token_hex(8)}X"
+        literal: dict[str, str] = {}
+        substituted = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, str) and any(s in content for s in self._special_texts):
+                name = f"{marker}{len(literal)}X"
+                literal[name] = content
+                message = {**message, "content": name}
+            substituted.append(message)
+        rendered = self.render_chat(substituted)
+        ids: list[int] = []
+        for n, piece in enumerate(re.split(f"({marker}\\d+X)", rendered)):
+            if n % 2:  # a placeholder
+                text = literal.get(piece)
+                if text is None:
+                    raise InvalidRequest("the chat template changed a message's text", field="messages")
+                ids.extend(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+            elif piece:
+                ids.extend(self.tokenizer(piece, add_special_tokens=False)["input_ids"])
+        if rendered.count(marker) != len(literal):  # a template that drops or repeats a message
+            raise InvalidRequest("the chat template changed a message's text", field="messages")
+        return ids
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
         if not isinstance(messages, Sequence) or not messages:
@@ -174,17 +259,16 @@ class TokenizerStage:
                 m.get("content"), str
             ):
                 raise InvalidRequest("each message must be a dict with string `role` and `content`", field="messages")
-            _check_text(m["content"])
+            _check_text(m["content"], field="messages")
+            if not self._special_in_chat and any(s in m["role"] for s in self._special_texts):
+                raise InvalidRequest("a message role spells one of the model's control tokens", field="messages")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequest("this model has no chat template; use generate() with a prompt", field="messages")
         try:
             text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
         except Exception as exc:
             raise InvalidRequest(f"chat messages could not be rendered: {exc}", field="messages") from None
-        try:
-            _check_text(text)
-        except InvalidRequest as exc:
-            raise InvalidRequest(str(exc), field="messages") from None
+        _check_text(text, field="messages")
         return text
 
     def stats(self) -> dict[str, Any]:
@@ -195,17 +279,43 @@ class TokenizerStage:
         }
 
 
-def _check_text(text: object) -> None:
+def _check_text(text: object, field: str = "prompt") -> None:
     if not isinstance(text, str):
         raise InvalidRequest(f"the prompt must be a str or a list of token ids, got {type(text).__name__}",
-                             field="prompt")
+                             field=field)
     if not text:
-        raise InvalidRequest("the prompt is empty", field="prompt")
+        raise InvalidRequest("the prompt is empty", field=field)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidRequest(f"the prompt is not valid Unicode text ({exc.reason} at {exc.start})",
-                             field="prompt") from None
+                             field=field) from None
+
+
+def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The spellings of the tokenizer's special (control) tokens, longest first."""
+    texts = {str(t) for t in getattr(tokenizer, "all_special_tokens", ())}
+    for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(token, "special", False):
+            texts.add(str(token.content))
+    return tuple(sorted((t for t in texts if t), key=len, reverse=True))
+
+
+def _message_texts(message: Any) -> list[str]:
+    """The caller-written strings of a message (its content, or its text parts)."""
+    if not isinstance(message, dict):
+        return []
+    content = message.get("content")
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return []
+
+
+def _is_tokenizer_panic(exc: BaseException) -> bool:
+    """pyo3 turns a Rust panic into `PanicException`, a BaseException: treat it as a bad input."""
+    return type(exc).__name__ == "PanicException"
 
 
 def create(config: EngineConfig) -> TokenizerStage:
