@@ -428,7 +428,13 @@ SOAK_MALFORMED = [  # (prompt, kwargs, refused before admission: no engine-side 
     ("", {}, False), ("lone \ud800 surrogate", {}, False), ([10**6], {}, False), ("word " * 200, {}, False),
     ("ok", {"temperature": float("nan")}, True), ("ok", {"max_tokens": -1}, True),
     ("ok", {"stop_token_ids": "x"}, True), ("ok", {"no_such_param": 1}, True),
+    # hostile: refused before any engine-side request exists ...
+    ("ok", {"repetition_penalty": 1e-300, "temperature": 1.0}, True), ("ok", {"stop": ["x" * 100_000]}, True),
+    ("ok", {"max_tokens": 10**9}, True), ("y" * 2**20, {}, True), ("ok", {"stop_token_ids": list(range(10**5))}, True),
+    # ... or by the tokenizer (the prompt tokenizes past the context)
+    ("tokenflow " * 200, {}, False),
 ]
+SOAK_POISON = "POISON: this request's logits come out NaN"  # a model fault in one row of a step
 # caller's outcome -> the engine-side endings it may pair with (races: it finished just before)
 SOAK_PAIRS = {"completed": {"completed"}, "overloaded": {"rejected"}, "invalid": {"rejected"},
               "engine_error": {"failed"}, "deadline": {"deadline", "completed", "failed"},
@@ -453,6 +459,8 @@ def _soak_spec(rnd: random.Random, i: int) -> dict[str, Any]:
                                   ignore_eos=rnd.random() < 0.5, cache_salt=f"soak-{i}")
     spec: dict[str, Any] = dict(prompt=rnd.choice(SOAK_PROMPTS), malformed=False, early=False)
     r = rnd.random()
+    if r < 0.02:
+        return dict(prompt=SOAK_POISON, kwargs=kwargs, malformed=False, early=False, poison=True)
     if r < 0.10:
         prompt, bad, early = rnd.choice(SOAK_MALFORMED)
         return dict(prompt=prompt, kwargs={**kwargs, **bad}, malformed=True, early=early)
@@ -523,7 +531,12 @@ async def test_soak_at_four_times_capacity(tiny_model) -> None:
                 fault["n"] += 1
                 if fault["n"] % 3:
                     raise RuntimeError("injected step fault")
-            return real_execute(plan)
+            logits = real_execute(plan)
+            with torch.inference_mode():  # poisoned rows, in any phase: only their own request may fail
+                for j, chunk in enumerate(c for c in plan.chunks if c.samples):
+                    if chunk.request.prompt == SOAK_POISON:
+                        logits[j] = float("nan")
+            return logits
 
         backend.execute = faulty
         rnd, rate = random.Random(5), 4 * capacity
@@ -576,7 +589,10 @@ async def test_soak_at_four_times_capacity(tiny_model) -> None:
         for i, spec in enumerate(specs):
             outcome, _phase, t0, t1 = results[i]
             allowed = {"invalid"} if spec["early"] else {"invalid", "overloaded"}
-            if not spec["malformed"]:
+            if spec.get("poison"):
+                allowed = {"engine_error", "overloaded"}
+                allowed |= {"cancelled"} if "cancel_after" in spec else set()
+            elif not spec["malformed"]:
                 allowed = {"completed", "overloaded"}
                 allowed |= {"cancelled"} if "cancel_after" in spec else set()
                 allowed |= {"deadline"} if "timeout" in spec["kwargs"] else set()

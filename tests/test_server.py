@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,45 +10,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenflow.integrations.openai_app import create_app
-
-
-class Server:
-    """uvicorn in a background thread (its own event loop owns the engine)."""
-
-    def __init__(self, model: Any, **settings: Any) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.app = create_app(str(model), **settings)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> Server:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("the server did not become healthy")
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-    def stats(self) -> dict[str, Any]:
-        return self.app.state.engine.stats()
+from tests.servers import ServeProcess, Server
 
 
 @pytest.fixture(scope="module")
@@ -185,30 +147,11 @@ def test_metrics_parse(server: Server, client: openai.OpenAI) -> None:
 
 
 def test_tokenflow_serve_command(tiny_model) -> None:
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tokenflow", "serve", "--model", str(tiny_model), "--port",
-                             str(port), "--set", "max_num_seqs=4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    with ServeProcess(tiny_model, "--set", "max_num_seqs=4") as served:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
         done = client.completions.create(model="tiny-llama", prompt="hi", max_tokens=3, temperature=0,
                                          extra_body={"ignore_eos": True})
         assert done.usage.completion_tokens == 3
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_logprobs(client: openai.OpenAI) -> None:

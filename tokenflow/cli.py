@@ -122,7 +122,9 @@ def _serve(args: argparse.Namespace) -> None:
 
     from tokenflow.integrations.openai_app import create_app
 
-    app = create_app(config_file=args.config, **_engine_settings(args))
+    http = dict(api_key=args.api_key, max_request_bytes=args.max_request_bytes, cors_origins=args.cors_origin or (),
+                report_cached_tokens=args.report_cached_tokens, trusted_client_fields=args.trust_client_field or ())
+    app = create_app(config_file=args.config, **http, **_engine_settings(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 
@@ -207,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` (default: $TOKENFLOW_API_KEY; none)")
+    serve.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
+    serve.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                       help="a browser origin allowed to call the API (repeatable; none by default)")
+    serve.add_argument("--report-cached-tokens", action="store_true",
+                       help="report usage.prompt_tokens_details.cached_tokens (tells callers what others sent)")
+    serve.add_argument("--trust-client-field", action="append", choices=["priority", "cache_salt"],
+                       help="let clients set this field themselves (repeatable)")
 
     pull = sub.add_parser("pull", help="fetch and convert a model into the cache (default: the embedded one)")
     pull.add_argument("model", nargs="?", default=None)

@@ -1,0 +1,171 @@
+"""The OpenAI request bodies as typed msgspec Structs, and their mapping to Engine keywords.
+
+Decoding a body with these types is the first check of untrusted input: a
+wrong type, an unknown field, invalid UTF-8, a number out of range or
+nesting too deep is a `InvalidRequest` (HTTP 400) naming the field, before
+anything else runs. Fields of the OpenAI API that tokenflow does not
+implement yet are refused by name instead of being dropped.
+Value ranges (temperature, penalties, ...) are checked by the engine itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from tokenflow.errors import InvalidRequest
+
+__all__ = ("ChatCompletionRequest", "CompletionRequest", "decode_body", "to_engine_kwargs")
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    include_usage: bool = False
+
+
+class TextPart(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True, frozen=True):
+    text: str
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Fields both routes take: OpenAI's, then vLLM-style extras (sent through a client's `extra_body`)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None  # accepted for compatibility; not used
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = None  # only when the server trusts clients with it (see HTTPSettings)
+    cache_salt: str | None = None  # likewise
+    # OpenAI fields not implemented yet: refused by name when present (never silently dropped).
+    logit_bias: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    structured_outputs: Any = None
+    best_of: Any = None
+
+
+class ChatCompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    prompt: str | list[int | str | list[int]]
+    logprobs: int | None = None
+    echo: Any = None
+    suffix: Any = None
+
+
+_UNSUPPORTED = ("logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions",
+                "function_call", "structured_outputs", "best_of", "echo", "suffix")
+# Body fields that become the Engine keyword of the same name when present.
+PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "ignore_eos", "priority", "cache_salt", "min_tokens", "stop_token_ids",
+               "include_stop_str_in_output", "skip_special_tokens")
+
+
+def decode_body(raw: bytes | dict[str, Any], chat: bool) -> ChatCompletionRequest | CompletionRequest:
+    """The typed body (from JSON bytes, or an already decoded dict); `InvalidRequest` naming the field
+    for anything malformed."""
+    kind = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        if isinstance(raw, dict):  # one path for both: the same checks and messages
+            raw = msgspec.json.encode(raw)
+        body = msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid request body: {exc}", field=_field_of(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("the request body is nested too deeply") from None
+    except (TypeError, msgspec.EncodeError) as exc:  # a dict holding something JSON has no form for
+        raise InvalidRequest(f"the request body is not JSON: {exc}") from None
+    for name in _UNSUPPORTED:
+        value = getattr(body, name, None)
+        if value is not None and value is not False and not (name == "best_of" and value == 1):
+            raise InvalidRequest(f"`{name}` is not supported by this server yet", field=name)
+    if body.n != 1:
+        raise InvalidRequest("only n=1 is supported", field="n")
+    return body
+
+
+def to_engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> tuple[Any, dict[str, Any]]:
+    """`(prompt or messages, Engine keyword arguments)` of a decoded body."""
+    kwargs: dict[str, Any] = {k: getattr(body, k) for k in PASSTHROUGH if getattr(body, k) is not None}
+    if isinstance(body, ChatCompletionRequest):
+        if not body.messages:
+            raise InvalidRequest("`messages` must be a non-empty list of message objects", field="messages")
+        prompt: Any = [m.to_dict() for m in body.messages]
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if body.logprobs:
+            kwargs["logprobs"] = body.top_logprobs or 0
+    else:
+        prompt = _completion_prompt(body.prompt)
+        max_tokens = body.max_tokens
+        if body.logprobs is not None:
+            kwargs["logprobs"] = body.logprobs
+    if max_tokens is not None:
+        kwargs["max_tokens"] = max_tokens
+    if body.stop is not None:
+        kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    return prompt, kwargs
+
+
+def _completion_prompt(prompt: str | list[Any]) -> str | list[int]:
+    """A string, a list of token ids, or a batch of one of either."""
+    if isinstance(prompt, str):
+        return prompt
+    if all(isinstance(t, int) for t in prompt):
+        return prompt  # type: ignore[return-value]
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]
+    raise InvalidRequest("`prompt` must be a string or a list of token ids (batches of more than one are not "
+                         "supported)", field="prompt")
+
+
+def _field_of(text: str) -> str | None:
+    """`... - at `$.messages[0].role`` -> "messages"; `unknown field `x`` -> "x"."""
+    for marker in ("at `$.", "unknown field `"):
+        if marker in text:
+            return text.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0] or None
+    return None
