@@ -165,7 +165,7 @@ def _completion_prompt(prompt: str | list[Any]) -> str | list[int]:
 
 def _field_of(text: str) -> str | None:
     """`... - at `$.messages[0].role`` -> "messages"; `unknown field `x`` -> "x"."""
-    for marker in ("at `$.", "unknown field `"):
+    for marker in ("at `$.", "unknown field `", "required field `"):
         if marker in text:
             return text.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0] or None
     return None

@@ -76,6 +76,7 @@ def client(model: Path) -> Iterator[httpx.Client]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_app(model, num_replicas=2, prefix_chars=PREFIX_CHARS, ray_actor_options={"num_cpus": 0},
+                        report_cached_tokens=True,
                         max_ongoing_requests=MAX_ONGOING, **SETTINGS)
         # serve.run waits until every replica is up, retrying failed constructors: bound it.
         _call_with_timeout(serve.run, app, name="tokenflow", timeout=START_TIMEOUT_S)

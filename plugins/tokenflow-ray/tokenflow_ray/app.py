@@ -37,11 +37,14 @@ class EngineServer:
 
     Call it through a handle: `await handle.generate.remote({"prompt": ...})`
     or `await handle.chat.remote({"messages": [...]})`. Results carry
-    `replica_id` (this replica's Serve id) and `usage.prompt_tokens_details.cached_tokens`.
+    `replica_id` (this replica's Serve id), and `usage.prompt_tokens_details.cached_tokens` when
+    `report_cached_tokens` (off by default: it tells a caller which prefixes other callers sent).
     """
 
-    async def __init__(self, model: str, settings: dict[str, Any] | None = None) -> None:
+    async def __init__(self, model: str, settings: dict[str, Any] | None = None,
+                       report_cached_tokens: bool = False) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.report_cached_tokens = report_cached_tokens
         self.engine = tokenflow.Engine(model, **(settings or {}))
         await self.engine.start()  # the replica counts as started only once the model is loaded
 
@@ -76,7 +79,8 @@ class EngineServer:
                 done = await self.engine.generate(prompt, **kwargs)
         except TokenflowError as exc:
             return {**error_body(exc), "replica_id": self.replica_id}
-        return completion_body(done, chat=chat, model=self.engine.model_name, replica_id=self.replica_id)
+        return completion_body(done, chat=chat, model=self.engine.model_name, replica_id=self.replica_id,
+                               report_cached_tokens=self.report_cached_tokens)
 
 
 def _respond(body: dict[str, Any]) -> JSONResponse:
@@ -138,7 +142,7 @@ class HTTPIngress:
 def build_app(
     model: str | os.PathLike[str], num_replicas: int = 2, *, prefix_chars: int = DEFAULT_PREFIX_CHARS,
     max_imbalance: int = DEFAULT_MAX_IMBALANCE, ray_actor_options: dict[str, Any] | None = None,
-    max_ongoing_requests: int | None = None, **engine_settings: Any,
+    max_ongoing_requests: int | None = None, report_cached_tokens: bool = False, **engine_settings: Any,
 ) -> Application:
     """The Serve application: `num_replicas` engine replicas of `model` (each `tokenflow.Engine(model,
     **engine_settings)`) routed by prompt prefix, behind one HTTP ingress.
@@ -148,7 +152,8 @@ def build_app(
     replica the preferred one may have before a request goes elsewhere;
     `ray_actor_options`: per engine replica (default one CPU, e.g.
     `{"num_gpus": 1}` on a GPU node); `max_ongoing_requests`: per engine
-    replica (Serve's backpressure; the default 64 lets the engine batch).
+    replica (Serve's backpressure; the default 64 lets the engine batch);
+    `report_cached_tokens`: put `usage.prompt_tokens_details.cached_tokens` in answers.
     Raises `tokenflow.errors.ConfigError` for an unknown or invalid engine setting.
     """
     model = os.fspath(model)
@@ -164,5 +169,5 @@ def build_app(
         options["ray_actor_options"] = ray_actor_options
     if max_ongoing_requests is not None:
         options["max_ongoing_requests"] = max_ongoing_requests
-    engine = EngineServer.options(**options).bind(model, engine_settings)
+    engine = EngineServer.options(**options).bind(model, engine_settings, report_cached_tokens)
     return HTTPIngress.bind(engine)

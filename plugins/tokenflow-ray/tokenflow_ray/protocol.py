@@ -32,9 +32,11 @@ def parse_request(body: Any, chat: bool) -> tuple[Any, dict[str, Any]]:
     return prompt, kwargs
 
 
-def completion_body(done: Completion, *, chat: bool, model: str, replica_id: str) -> dict[str, Any]:
+def completion_body(done: Completion, *, chat: bool, model: str, replica_id: str,
+                    report_cached_tokens: bool = False) -> dict[str, Any]:
     """The OpenAI response body, plus `replica_id` (which engine replica answered)."""
-    return {**openai_app.completion_body(done, chat=chat, model=model), "replica_id": replica_id}
+    body = openai_app.completion_body(done, chat=chat, model=model, report_cached_tokens=report_cached_tokens)
+    return {**body, "replica_id": replica_id}
 
 
 def error_body(exc: TokenflowError) -> dict[str, Any]:
