@@ -10,7 +10,7 @@ import contextlib
 import gc
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -18,6 +18,7 @@ import anyio
 import pytest
 import torch
 
+from tests.engines import running_engine, until_idle
 from tokenflow import Engine, SamplingParams
 from tokenflow.errors import EngineClosed, EngineError, InvalidRequest
 
@@ -33,21 +34,11 @@ def _rss_bytes() -> int:
     return 0
 
 
-@contextlib.asynccontextmanager
-async def _engine(tiny_model: Any, **settings: Any) -> AsyncIterator[Engine]:
-    threads = torch.get_num_threads()  # `num_threads` is process-wide: give it back
-    try:
-        async with Engine(tiny_model, **{**BASE, **settings}) as engine:
-            yield engine
-    finally:
-        torch.set_num_threads(threads)
+def _engine(tiny_model: Any, **settings: Any) -> contextlib.AbstractAsyncContextManager[Engine]:
+    return running_engine(tiny_model, **{**BASE, **settings})
 
 
-async def _idle(engine: Engine) -> dict[str, Any]:
-    with anyio.fail_after(10):
-        while (s := engine.stats())["kv_blocks_used"] or s["num_running"] or s["num_waiting"]:
-            await anyio.sleep(0.01)
-    return s
+_idle = until_idle
 
 
 def _battery(longest_prompt: str) -> list[tuple[str, str, Callable[[Engine], Any], str]]:
@@ -220,25 +211,6 @@ async def test_an_observer_that_raises_is_isolated(tiny_model, where: str) -> No
         for _ in range(3):
             assert (await engine.generate(GOOD[0], **GOOD[1])).token_ids == reference.token_ids
         assert counted == ["completed"] * 3  # the observer after the broken one still hears of every end
-        stats = await _idle(engine)
-        assert not stats["dead"] and stats["kv_blocks_used"] == 0
-
-
-async def test_a_stage_that_raises_fails_only_that_request(tiny_model) -> None:
-    async with _engine(tiny_model) as engine:
-        reference = await engine.generate(GOOD[0], **GOOD[1])
-        prefetcher = engine._stages[3]
-        real = prefetcher.handle
-
-        async def buggy(request: Any, call_next: Any) -> None:
-            if request.params.cache_salt == "bug":
-                raise KeyError("plugin bug")
-            await real(request, call_next)
-
-        prefetcher.handle = buggy
-        with pytest.raises(EngineError, match="plugin bug"):
-            await engine.generate(GOOD[0], **GOOD[1], cache_salt="bug")
-        assert (await engine.generate(GOOD[0], **GOOD[1])).token_ids == reference.token_ids
         stats = await _idle(engine)
         assert not stats["dead"] and stats["kv_blocks_used"] == 0
 

@@ -12,27 +12,21 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import pytest
 import torch
 
+from tests.engines import running_engine, until_idle
 from tokenflow import Engine
 from tokenflow.errors import DeadlineExceeded, EngineError, InvalidRequest, Overloaded
 
 BASE = dict(max_model_len=128, num_kv_blocks=64, num_threads=1)
 
 
-@contextlib.asynccontextmanager
-async def _engine(tiny_model: Any, **settings: Any) -> AsyncIterator[Engine]:
-    threads = torch.get_num_threads()  # `num_threads` is process-wide: give it back
-    try:
-        async with Engine(tiny_model, **{**BASE, **settings}) as engine:
-            yield engine
-    finally:
-        torch.set_num_threads(threads)
+def _engine(tiny_model: Any, **settings: Any) -> contextlib.AbstractAsyncContextManager[Engine]:
+    return running_engine(tiny_model, **{**BASE, **settings})
 
 
 def _count_executed(engine: Engine) -> Counter[str]:
@@ -72,12 +66,7 @@ async def _callers(calls: dict[str, Any], limit: float = 30.0) -> dict[str, str]
     return outcomes
 
 
-async def _until_clean(engine: Engine) -> dict[str, Any]:
-    """Aborts free their blocks at the next step boundary: wait for it."""
-    with anyio.fail_after(10):
-        while (s := engine.stats())["kv_blocks_used"] or s["num_running"] or s["num_waiting"]:
-            await anyio.sleep(0.01)
-    return s
+_until_clean = until_idle
 
 
 # -- cancellation and deadlines ---------------------------------------------------------------

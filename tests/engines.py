@@ -1,0 +1,33 @@
+"""Engines for tests: started on a model with torch's thread count given back afterwards, and a wait
+until an engine is idle (aborts free their blocks at the next step boundary)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import torch
+
+from tokenflow import Engine
+
+__all__ = ("running_engine", "until_idle")
+
+
+@contextlib.asynccontextmanager
+async def running_engine(model: Any, **settings: Any) -> AsyncIterator[Engine]:
+    threads = torch.get_num_threads()  # `num_threads` is process-wide: give it back
+    try:
+        async with Engine(model, **settings) as engine:
+            yield engine
+    finally:
+        torch.set_num_threads(threads)
+
+
+async def until_idle(engine: Engine, limit_s: float = 10.0) -> dict[str, Any]:
+    """The engine's stats once nothing runs, waits or holds a KV block."""
+    with anyio.fail_after(limit_s):
+        while (s := engine.stats())["kv_blocks_used"] or s["num_running"] or s["num_waiting"]:
+            await anyio.sleep(0.01)
+    return s
