@@ -24,6 +24,7 @@ from tokenflow import registry
 from tokenflow.config import EngineConfig
 from tokenflow.errors import DeadlineExceeded, EngineClosed, EngineError, InvalidRequest, TokenflowError
 from tokenflow.kv.block_hash import model_key
+from tokenflow.kv.response_cache import serving_key
 from tokenflow.limits import RequestLimits
 from tokenflow.model.loader import load_model
 from tokenflow.model.openmp_team import release_openmp_team
@@ -109,6 +110,9 @@ class Engine:
         fingerprint = await model_thread.run(model_key, loaded.model, config.block_size, policy)
         ctx = EngineContext(
             config, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size, fingerprint
+        )
+        ctx.serving_key = await model_thread.run(
+            serving_key, fingerprint, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, config
         )
         backend = registry.load_backend(config.backend, config)
         await model_thread.run(backend.load, ctx, loaded.model)

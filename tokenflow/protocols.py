@@ -6,6 +6,7 @@ a third-party stage needs nothing from tokenflow but these method names.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -28,6 +29,7 @@ __all__ = (
     "StaticBackend",
     "StepBackend",
     "StepPlan",
+    "notify_request_end",
 )
 
 NextStage = Callable[["Request"], Awaitable[None]]
@@ -43,6 +45,7 @@ class EngineContext:
     eos_token_ids: frozenset[int]
     vocab_size: int
     model_key: bytes = b""  # fingerprint of the model's weights, dtype and block size (cache keys)
+    serving_key: bytes = b""  # model_key plus tokenizer, chat template, context, EOS ids (response cache keys)
     shared: dict[str, Any] = field(default_factory=dict)  # stage name -> stage, for cooperation
     observers: list[EngineObserver] = field(default_factory=list)  # told about steps and request ends
 
@@ -57,6 +60,15 @@ class EngineObserver(Protocol):
 
     def on_step(self, duration_s: float, ok: bool) -> None: ...
     def on_request_end(self, request: Request, outcome: str) -> None: ...
+
+
+def notify_request_end(observers: Sequence[EngineObserver], request: Request, outcome: str) -> None:
+    """Tell every observer; one that raises is logged and the others still hear of it."""
+    for observer in observers:
+        try:
+            observer.on_request_end(request, outcome)
+        except Exception:
+            logging.getLogger("tokenflow").exception("observer %r failed in on_request_end", observer)
 
 
 @runtime_checkable

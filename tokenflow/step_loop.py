@@ -33,10 +33,10 @@ from tokenflow.model.sampler import RowFailure, Sampler, SamplerOutput, row_of
 from tokenflow.model_thread import ModelThread
 from tokenflow.ngram_speculation import accepted_tokens
 from tokenflow.output import OutputProcessor
-from tokenflow.protocols import StepPlan
+from tokenflow.protocols import StepPlan, notify_request_end
 from tokenflow.request import Request, RequestStatus
 
-__all__ = ("MAX_CONSECUTIVE_FAILURES", "KVLeakError", "StepLoop", "notify_request_end", "sampling_error")
+__all__ = ("MAX_CONSECUTIVE_FAILURES", "KVLeakError", "StepLoop", "sampling_error")
 
 log = logging.getLogger("tokenflow")
 
@@ -55,15 +55,6 @@ class StepTokens:
 # (request, token, logprob, in_cache): a taken token, and whether its K/V is already in the cache
 # (an accepted draft token, computed in the step that verified it).
 TokenItem = tuple[Request, int, Any, bool]
-
-
-def notify_request_end(observers: list[Any], request: Request, outcome: str) -> None:
-    """Tell every observer; one that raises is logged and the others still hear of it."""
-    for observer in observers:
-        try:
-            observer.on_request_end(request, outcome)
-        except Exception:
-            log.exception("observer %r failed in on_request_end", observer)
 
 
 def sampling_error(failure: RowFailure) -> Exception:

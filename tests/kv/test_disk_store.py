@@ -1,12 +1,15 @@
 """DiskStore: the disk tier's folder. Round trips are exact, nothing read back is trusted
-(every bad entry is a counted, deleted miss, and no pickle is ever loaded), and I/O errors
-trip a breaker that reopens the folder after `retry_s`."""
+(every bad entry is a counted, deleted miss, no pickle is ever loaded, and only a holder of the
+secret can write an entry that checks), and I/O errors trip a breaker that reopens the folder
+after `retry_s`."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import pickle
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -15,12 +18,22 @@ import pytest
 import torch
 
 from tokenflow.kv.block_hash import BlockKey, block_keys
-from tokenflow.kv.disk_store import CorruptEntry, DiskStore, decode_block, encode_block
+from tokenflow.kv.disk_store import (
+    CorruptEntry,
+    DiskStore,
+    decode_block,
+    decode_frame,
+    encode_block,
+    encode_frame,
+    folder_secret,
+    mac_key,
+)
 
 SHAPE = (1, 2, 4, 1, 2)  # [layers, K/V, block_size, kv_heads, head_dim]
 LIMIT = 2**30
 RETRY_S = 0.25
 KEYS = block_keys(list(range(1, 17)), 4, b"\x07" * 16)  # 4 chained keys
+SECRET = mac_key("test-secret")
 
 
 def block(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -47,35 +60,66 @@ def test_encode_decode_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
     data = block(0, dtype)
     flat = data.view(-1)
     flat[:4] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0], dtype=dtype)
-    entry = encode_block(KEYS[0], data)
-    assert entry.startswith(b"TFKV\x01")
-    out = decode_block(entry, KEYS[0], dtype, SHAPE)
+    entry = encode_block(KEYS[0], data, secret=SECRET)
+    assert entry.startswith(b"TFKV\x02")
+    out = decode_block(entry, KEYS[0], dtype, SHAPE, secret=SECRET)
     assert same_bits(out, data)
     out.zero_()  # the result owns its memory: writing to it leaves the entry intact
-    assert same_bits(decode_block(entry, KEYS[0], dtype, SHAPE), data)
+    assert same_bits(decode_block(entry, KEYS[0], dtype, SHAPE, secret=SECRET), data)
 
 
 def test_decode_names_the_failed_check() -> None:
     data = block(1)
-    entry = encode_block(KEYS[1], data)
+    entry = encode_block(KEYS[1], data, secret=SECRET)
     cases = {
         "bad magic": b"XXXX" + entry[4:],
         "truncated header": entry[:7],
         "bad header": entry[:9] + b"\xff" + entry[10:],
         "key, parent or tokens": entry,  # decoded under another key below
         "truncated": entry[:-1],
-        "checksum mismatch": entry[:-1] + bytes([entry[-1] ^ 0x01]),
+        "MAC mismatch": entry[:-1] + bytes([entry[-1] ^ 0x01]),
     }
     for expected, bad in cases.items():
         key = KEYS[2] if expected.startswith("key") else KEYS[1]
         with pytest.raises(CorruptEntry, match=expected):
-            decode_block(bad, key, torch.float32, SHAPE)
+            decode_block(bad, key, torch.float32, SHAPE, secret=SECRET)
     with pytest.raises(CorruptEntry, match="bad magic"):
-        decode_block(bytearray(entry), KEYS[1], torch.float32, SHAPE)  # only real bytes are accepted
+        decode_block(bytearray(entry), KEYS[1], torch.float32, SHAPE, secret=SECRET)  # only real bytes
     with pytest.raises(CorruptEntry, match="do not fit"):
-        decode_block(entry, KEYS[1], torch.float16, SHAPE)
+        decode_block(entry, KEYS[1], torch.float16, SHAPE, secret=SECRET)
     with pytest.raises(CorruptEntry, match="do not fit"):
-        decode_block(entry, KEYS[1], torch.float32, (1, 2, 2, 1, 4))
+        decode_block(entry, KEYS[1], torch.float32, (1, 2, 2, 1, 4), secret=SECRET)
+
+
+def _unkeyed_forgery(entry: bytes) -> bytes:
+    """What a writer without the secret can do: alter the payload, then fix up an integrity field it
+    can compute (an unkeyed BLAKE2b in the MAC's place, the way a CRC could be recomputed)."""
+    header_end = 9 + int.from_bytes(entry[5:9], "little")
+    raw = bytearray(entry)
+    raw[-3] ^= 0xFF
+    payload = bytes(raw[header_end + 32:])
+    fake = hashlib.blake2b(bytes(raw[:header_end]) + payload, digest_size=32, person=b"tokenflow-entry").digest()
+    return bytes(raw[:header_end]) + fake + payload
+
+
+def test_entries_check_only_under_their_secret() -> None:
+    data = block(2)
+    entry = encode_block(KEYS[0], data, secret=SECRET)
+    with pytest.raises(CorruptEntry, match="MAC mismatch"):
+        decode_block(entry, KEYS[0], torch.float32, SHAPE, secret=mac_key("another deployment"))
+    with pytest.raises(CorruptEntry, match="MAC mismatch"):
+        decode_block(_unkeyed_forgery(entry), KEYS[0], torch.float32, SHAPE, secret=SECRET)
+    frame = encode_frame("resp:k", b"payload", secret=SECRET)
+    assert decode_frame(frame, "resp:k", secret=SECRET) == b"payload"
+    for bad_secret, name, raw in [
+        (mac_key("another deployment"), "resp:k", frame),
+        (SECRET, "resp:other", frame),
+        (SECRET, "resp:k", frame[:-1] + b"P"),
+    ]:
+        with pytest.raises(CorruptEntry):
+            decode_frame(raw, name, secret=bad_secret)
+    with pytest.raises(ValueError, match="empty"):
+        mac_key("")
 
 
 # -- the store --------------------------------------------------------------------------
@@ -95,10 +139,10 @@ def test_store_round_trip(tmp_path: Path, dtype: torch.dtype) -> None:
     store.close()
 
 
-def decodes_as(path: Path, key: BlockKey) -> bool:
+def decodes_as(path: Path, key: BlockKey, secret: bytes) -> bool:
     """Whether the file holds a valid entry for `key`."""
     try:
-        decode_block(path.read_bytes(), key, torch.float32, SHAPE)
+        decode_block(path.read_bytes(), key, torch.float32, SHAPE, secret=secret)
     except CorruptEntry:
         return False
     return True
@@ -137,7 +181,7 @@ def test_damaged_file_is_a_counted_deleted_miss(tmp_path: Path, damage) -> None:
     assert len(before) == 2
     # Find KEYS[0]'s file: the one that is not KEYS[1]'s.
     assert store.get_block(KEYS[1], torch.float32, SHAPE) is not None
-    target = next(p for p in before if decodes_as(p, KEYS[0]))
+    target = next(p for p in before if decodes_as(p, KEYS[0], store._key))
     damage(target)
     assert store.get_block(KEYS[0], torch.float32, SHAPE) is None
     assert store.num_corrupt == 1
@@ -170,7 +214,7 @@ def test_entry_of_another_key_is_a_miss(tmp_path: Path, forge) -> None:
     forged = forge(KEYS[0])
     assert forged != KEYS[0]
     assert store._cache is not None
-    store._cache.set(name(KEYS[0]), encode_block(forged, block(0)))
+    store._cache.set(name(KEYS[0]), encode_block(forged, block(0), secret=store._key))
     assert len(entry_files(tmp_path)) == 1
     assert store.get_block(KEYS[0], torch.float32, SHAPE) is None
     assert store.num_corrupt == 1
@@ -360,3 +404,71 @@ def test_has_block_tracks_writes_and_survives_reopening(tmp_path: Path) -> None:
     assert reopened.has_block(KEYS[0]) is False
     assert reopened.num_corrupt == 0
     reopened.close()
+
+
+# -- secrets ------------------------------------------------------------------------------
+def test_folder_secret_is_created_once_private_and_agreed_on(tmp_path: Path) -> None:
+    results: list[bytes] = []
+    barrier = threading.Barrier(8)
+
+    def open_one() -> None:
+        barrier.wait()
+        results.append(folder_secret(tmp_path))
+
+    threads = [threading.Thread(target=open_one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1 and len(results[0]) == 64  # every engine starting at once agrees
+    assert (tmp_path / "secret").stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secret"]  # no temporary file left behind
+    assert folder_secret(tmp_path) == results[0]
+    assert DiskStore(tmp_path, LIMIT)._key == mac_key(results[0])
+
+
+def test_entries_of_another_secret_are_counted_deleted_misses(tmp_path: Path) -> None:
+    """Another deployment's folder (or one planted by someone without the secret) serves nothing."""
+    theirs = DiskStore(tmp_path, LIMIT, secret="theirs")
+    assert theirs.put_block(KEYS[0], block(0)) and theirs.put_response("r", b"their answer")
+    theirs.close()
+    ours = DiskStore(tmp_path, LIMIT)  # the folder's own random secret
+    assert ours.has_block(KEYS[0])  # a hint only
+    assert ours.get_block(KEYS[0], torch.float32, SHAPE) is None
+    assert ours.get_response("r") is None
+    assert ours.num_corrupt == 2 and entry_files(tmp_path) == []
+    assert ours.put_block(KEYS[0], block(0))
+    ours.close()
+    again = DiskStore(tmp_path, LIMIT)  # the same folder secret next time: a hit
+    assert same_bits(again.get_block(KEYS[0], torch.float32, SHAPE), block(0))
+    again.close()
+
+
+def test_damaged_secret_file_turns_the_tier_off(tmp_path: Path) -> None:
+    (tmp_path / "secret").write_bytes(b"not hex")
+    store = DiskStore(tmp_path, LIMIT)
+    assert store.available is False and "secret" in store.last_error
+
+
+# -- culling, expiry ------------------------------------------------------------------------
+def test_index_forgets_blocks_culled_by_the_size_limit(tmp_path: Path) -> None:
+    shape = (2, 2, 16, 2, 64)  # 32 KiB a block
+    keys = block_keys(list(range(16 * 80)), 16, b"\x05" * 16)
+    store = DiskStore(tmp_path, 40 * (33 << 10))  # room for about 40 blocks (diskcache culls 16 at a time)
+    for key in keys:
+        assert store.put_block(key, torch.ones(shape))
+        on_disk = {k[3:] for k in store._cache.iterkeys() if k.startswith("kv:")}
+        assert {k.hex for k in keys if store.has_block(k)} == on_disk  # in step after every write
+        assert store.stats()["disk_blocks"] == len(on_disk)
+    assert 0 < len(on_disk) < 60
+    store.close()
+
+
+def test_responses_expire(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, LIMIT)
+    assert store.put_response("short", b"x", expire_s=0.2) and store.put_response("long", b"y", expire_s=60)
+    assert store.get_response("short") == b"x"
+    time.sleep(0.3)
+    assert store.get_response("short") is None and store.get_response("long") == b"y"
+    assert store.num_corrupt == 0
+    store.close()

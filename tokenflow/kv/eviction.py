@@ -5,7 +5,9 @@ when a request uses a block (`on_access`, with the block's depth in its chain
 and a tick that is the same for all blocks one request touches), when a block
 loses its last reference (`on_evictable`: it joins the candidates), when it is
 referenced again (`on_referenced`: it leaves them) and asks for a victim with
-`evict()`.
+`evict()`. Optionally it ranks blocks by value (`ranked`, most worth keeping
+first: the reverse of its eviction order), so a shutdown flush with a time
+budget writes the hottest blocks first.
 
 Both built-ins keep candidates in a binary heap with lazy deletion, so every
 operation is O(log n) and nothing scans the pool; stale heap entries are
@@ -32,6 +34,7 @@ from __future__ import annotations
 import abc
 import heapq
 import math
+from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = ("EvictionPolicy", "LFULRUPolicy", "LRUPolicy", "create_lfu_lru", "create_lru")
@@ -98,6 +101,10 @@ class _HeapPolicy(abc.ABC):
         self.on_referenced(block)
         self._tick.pop(block, None)
         self._depth.pop(block, None)
+
+    def ranked(self, blocks: Iterable[int]) -> list[int]:
+        """`blocks` from the most worth keeping to the least: the reverse of eviction order."""
+        return sorted(blocks, key=self._key, reverse=True)
 
     def _rebuild(self) -> None:
         self._heap = [(self._key(b), self._version[b], b) for b in self._candidates]

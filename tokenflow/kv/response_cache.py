@@ -2,34 +2,41 @@
 
 A request is deterministic when it is greedy (`temperature=0`) or carries a
 `seed`: the same prompt, parameters and model then give the same tokens, so
-the completion can be stored once and served again. The key covers the model
-fingerprint, the prompt (text, token ids or chat messages) and every
-sampling parameter that shapes the output (not `priority`, `timeout`,
-`deadline` or `cache_response`). Entries live in memory (`cachetools.TTLCache`)
-and, with a disk tier, on disk as msgspec JSON (never pickle); a disk entry
-that does not decode is dropped.
+the completion can be stored once and served again. The key covers the
+serving fingerprint (`serving_key`: the model's weights, the tokenizer's
+whole vocabulary and merges, the chat template, the context length, the EOS
+ids and the settings that shape a prompt or its length), the prompt (text,
+token ids or chat messages) and every sampling parameter that shapes the
+output (not `priority`, `timeout`, `deadline` or `cache_response`). Entries
+live in memory (`cachetools.TTLCache`) and, with a disk or shared tier, in
+its store as msgspec JSON inside a MAC'd frame (never pickle); an entry that
+does not check or decode is dropped.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import cachetools
 import msgspec
 
 from tokenflow.params import Chunk
+from tokenflow.protocols import notify_request_end
 from tokenflow.request import Request, RequestStatus
 
 __all__ = (
     "RECORD", "ResponseCache", "StoredResponse", "decode_response", "recorded_response", "replay", "response_key",
-    "start_recording", "wants_cached_response",
+    "serving_key", "start_recording", "wants_cached_response",
 )
 
 log = logging.getLogger("tokenflow")
 
 _NOT_IN_KEY = frozenset({"priority", "timeout", "deadline", "cache_response"})
+# Engine settings that change an answer for the same request (a prompt's rendering or its default length).
+_ANSWER_SETTINGS = ("default_max_tokens", "clamp_max_tokens", "allow_special_tokens_in_chat")
 RECORD = "response_record"  # request.extras: the chunks emitted so far (output.py appends), for response caches
 
 
@@ -38,8 +45,27 @@ class StoredResponse(msgspec.Struct):
     chunks: list[Chunk]
 
 
-def response_key(model_key: bytes, request: Request) -> str | None:
-    """The cache key of `request`, or None when it is not deterministic (or its prompt does not encode)."""
+def serving_key(
+    model_key: bytes, tokenizer: Any, max_model_len: int, eos_token_ids: Iterable[int], config: Any = None
+) -> bytes:
+    """A fingerprint of everything besides the request that shapes a response (blocking: the
+    tokenizer is serialised whole, so run it once, off the event loop)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else msgspec.json.encode(sorted(tokenizer.get_vocab().items()))
+    h = hashlib.blake2b(model_key, digest_size=16, person=b"tokenflow-serve")
+    h.update(hashlib.blake2b(vocab.encode() if isinstance(vocab, str) else vocab).digest())
+    h.update(msgspec.json.encode({
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "max_model_len": max_model_len,
+        "eos": sorted(eos_token_ids),
+        "settings": {name: getattr(config, name, None) for name in _ANSWER_SETTINGS},
+    }))
+    return h.digest()
+
+
+def response_key(serving_key: bytes, request: Request) -> str | None:
+    """The cache key of `request` under a `serving_key`, or None when it is not deterministic (or its
+    prompt does not encode)."""
     params = request.params
     if params.temperature != 0.0 and params.seed is None:
         return None
@@ -50,7 +76,7 @@ def response_key(model_key: bytes, request: Request) -> str | None:
         else {"tokens": request.prompt_token_ids}
     )
     try:
-        encoded = msgspec.json.encode([model_key.hex(), prompt, fields])
+        encoded = msgspec.json.encode([serving_key.hex(), prompt, fields])
     except (TypeError, msgspec.EncodeError):
         return None
     return hashlib.blake2b(encoded, digest_size=20).hexdigest()
@@ -94,8 +120,7 @@ def replay(request: Request, stored: StoredResponse, observers: list[Any]) -> No
     request.finish_reason = stored.chunks[-1].finish_reason
     request.status = RequestStatus.FINISHED
     request.collector.preload(stored.chunks)
-    for observer in observers:
-        observer.on_request_end(request, "cached")
+    notify_request_end(observers, request, "cached")
 
 
 class ResponseCache:

@@ -11,15 +11,23 @@ ends. The `prefetcher` stage starts jobs when a request is queued
 (`prefetch`); otherwise the pool starts one when the batcher first tries to
 admit the request (`begin_load`), which then waits while others run.
 
+Loaded values are not trusted: the reader thread drops a block holding a NaN
+or an infinity (and the blocks after it; counted, `discard_block` told) before
+the pool sees it. A job still running `load_timeout_s` after it started is
+abandoned when the pool next polls: its request recomputes the prefix, and
+while an abandoned job's thread is still busy the tier starts no other job
+(a hung store never piles up threads), and stop does not wait for it.
+
 Writing goes the other way, behind the step loop: `write_behind(block, key)`
 copies a block out on the event loop (before the pool can reuse it) and
 hands it to the tier's writer thread, dropping it (counted) when
 `max_pending_writes` copies already wait.
 
 A subclass says how to fetch and store: `might_have(key)` (event loop;
-cheap; False skips the tier), `fetch_blocks(keys)` (reader thread) and
-`write_block(key, data)` (writer thread). Everything else, including the
-load counters in `stats()` (prefixed with `name`), is shared.
+cheap; False skips the tier), `fetch_blocks(keys)` (reader thread),
+`write_block(key, data)` (writer thread) and optionally `discard_block(key)`.
+Everything else, including the load counters in `stats()` (prefixed with
+`name`), is shared.
 """
 
 from __future__ import annotations
@@ -27,7 +35,10 @@ from __future__ import annotations
 import abc
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +59,14 @@ class _LoadJob:
     request: Request
     future: Future[Loaded]
     prefetch: bool
+    started: float  # time.monotonic()
     late: bool = False
 
 
 class BlockTier(abc.ABC):
     name = "tier"  # prefixes the stats keys and thread names
     max_pending_writes = 256  # blocks copied out and not yet written; more are dropped
+    load_timeout_s = 5.0  # a load job running longer is abandoned (subclasses set it from the config)
 
     def __init__(self) -> None:
         self.pool: Any = None
@@ -62,6 +75,7 @@ class BlockTier(abc.ABC):
         self._readers: ThreadPoolExecutor | None = None
         self.writer: ThreadPoolExecutor | None = None  # block writes, and any other write the tier puts behind
         self._jobs: dict[Request, _LoadJob] = {}
+        self._abandoned: list[Future[Loaded]] = []  # timed-out jobs whose threads may still be busy
         self._write_lock = threading.Lock()
         self._pending_writes = 0
         self.blocks_written = 0
@@ -71,6 +85,8 @@ class BlockTier(abc.ABC):
         self.prefetch_jobs = 0
         self.prefetch_in_time = 0
         self.prefetch_late = 0
+        self.load_timeouts = 0
+        self.nonfinite_blocks = 0
 
     @property
     def _loaded_marker(self) -> str:
@@ -95,11 +111,21 @@ class BlockTier(abc.ABC):
     def start_writer(self) -> None:
         self.writer = ThreadPoolExecutor(1, thread_name_prefix=f"tokenflow-{self.name}-write")
 
-    def close_threads(self) -> None:
-        """Wait for running load jobs and pending writes to end (worker thread, at stop)."""
-        for executor in (self._readers, self.writer):
-            if executor is not None:
-                executor.shutdown(wait=True)
+    def close_threads(self, write_timeout_s: float | None = None) -> None:
+        """Worker thread, at stop: wait for load jobs (up to `load_timeout_s`; never for abandoned ones)
+        and for pending writes, those not started within `write_timeout_s` (None: no limit) being dropped."""
+        if self._readers is not None:
+            _, late = wait_futures([job.future for job in self._jobs.values()], timeout=self.load_timeout_s)
+            self._readers.shutdown(wait=not late and not self._hung(), cancel_futures=True)
+        if self.writer is None:
+            return
+        if write_timeout_s is not None:
+            try:
+                self.writer.submit(int).result(timeout=max(write_timeout_s, 0.05))  # queued after every write
+            except FutureTimeout:
+                log.warning("%s: stop timed out with writes pending; they are dropped", self.name)
+                self.writer.shutdown(wait=False, cancel_futures=True)
+        self.writer.shutdown(wait=True)  # at most the one write in progress, after a timeout
 
     # -- what a subclass provides --------------------------------------------------------
     def might_have(self, key: BlockKey) -> bool:
@@ -113,6 +139,9 @@ class BlockTier(abc.ABC):
     @abc.abstractmethod
     def write_block(self, key: BlockKey, data: torch.Tensor) -> bool:
         """Writer thread: store one block's K/V; True when it was written."""
+
+    def discard_block(self, key: BlockKey) -> None:  # noqa: B027 (an optional hook)
+        """Reader thread: a block fetched under `key` is unusable (non-finite); delete it if you can."""
 
     # -- writing behind --------------------------------------------------------------------
     def write_behind(self, block: int, key: BlockKey) -> bool:
@@ -146,6 +175,8 @@ class BlockTier(abc.ABC):
             return False
         if request in self._jobs:
             return True
+        if self._hung():
+            return False
         keys = self.missing_prefix(request)
         if not keys or not self.might_have(keys[0]):
             return False
@@ -154,6 +185,7 @@ class BlockTier(abc.ABC):
 
     def begin_load(self, request: Request, keys: list[BlockKey]) -> bool:
         """The pool asks for `keys` (past its resident prefix). True: wait, they are loading."""
+        self._abandon_overdue()
         job = self._jobs.get(request)
         if job is not None:
             if not job.future.done():
@@ -163,21 +195,52 @@ class BlockTier(abc.ABC):
                 return True
             self._install(job)
             return False
-        if request.extras.get(self._loaded_marker) or not keys or not self.might_have(keys[0]):
+        if request.extras.get(self._loaded_marker) or not keys or self._hung() or not self.might_have(keys[0]):
             return False
         self._start(request, keys, prefetch=False)
         return True
 
     def _start(self, request: Request, keys: list[BlockKey], prefetch: bool) -> None:
         assert self._readers is not None
-        self._jobs[request] = _LoadJob(request, self._readers.submit(self.fetch_blocks, list(keys)), prefetch)
+        future = self._readers.submit(self._fetch_checked, list(keys))
+        self._jobs[request] = _LoadJob(request, future, prefetch, time.monotonic())
         if prefetch:
             self.prefetch_jobs += 1
         else:
             self.load_jobs += 1
 
+    def _fetch_checked(self, keys: list[BlockKey]) -> Loaded:
+        """Reader thread: `fetch_blocks`, cut before the first block with a NaN or an infinity."""
+        loaded = self.fetch_blocks(keys)
+        for i, (key, data) in enumerate(loaded):
+            if not bool(torch.isfinite(data).all()):
+                log.warning("%s: block %s holds non-finite values; dropped", self.name, key.hex)
+                with self._write_lock:
+                    self.nonfinite_blocks += 1
+                self.discard_block(key)
+                return loaded[:i]
+        return loaded
+
+    def _hung(self) -> bool:
+        """Whether the thread of an abandoned load job is still busy (then no job starts)."""
+        self._abandoned = [f for f in self._abandoned if not f.done()]
+        return bool(self._abandoned)
+
+    def _abandon_overdue(self) -> None:
+        """Give up on load jobs running past `load_timeout_s`: their requests recompute."""
+        now = time.monotonic()
+        for job in [j for j in self._jobs.values() if not j.future.done() and now - j.started >= self.load_timeout_s]:
+            del self._jobs[job.request]
+            job.request.extras[self._loaded_marker] = True  # never tried again for this request
+            self._abandoned.append(job.future)
+            self.load_timeouts += 1
+            log.warning("%s: a load job ran past %.1f s; abandoned, the prefix is recomputed",
+                        self.name, self.load_timeout_s)
+
     def poll(self) -> None:
-        """Install every finished load job (event loop; the pool calls it before matching prefixes)."""
+        """Install every finished load job and abandon overdue ones (event loop; the pool calls it
+        before matching prefixes)."""
+        self._abandon_overdue()
         for job in [j for j in self._jobs.values() if j.future.done()]:
             self._install(job)
 
@@ -205,4 +268,6 @@ class BlockTier(abc.ABC):
             f"{self.name}_prefetch_jobs": self.prefetch_jobs,
             f"{self.name}_prefetch_in_time": self.prefetch_in_time,
             f"{self.name}_prefetch_late": self.prefetch_late,
+            f"{self.name}_load_timeouts": self.load_timeouts,
+            f"{self.name}_nonfinite_blocks": self.nonfinite_blocks,
         }

@@ -222,6 +222,16 @@ class TokenPool(BlockPool):
         """Every block that holds a known prefix (cached or in use), for tiers that persist them."""
         return iter(list(self._key_of.items()))
 
+    def hottest_blocks(self) -> list[tuple[int, BlockKey]]:
+        """`hashed_blocks`, most worth keeping first: in use, then cached in the policy's `ranked` order
+        (any order for a policy without one). A flush with a time budget writes them in this order."""
+        used = [b for b in self._key_of if self._ref_count[b] > 0]
+        cached = [b for b in self._key_of if self._ref_count[b] == 0]
+        ranked = getattr(self.policy, "ranked", None)
+        if ranked is not None:
+            used, cached = ranked(used), ranked(cached)
+        return [(b, self._key_of[b]) for b in [*used, *cached]]
+
     def evict_all(self) -> int:
         """Evict every cached block (listeners see each); returns how many. For benchmarks and tests."""
         count = 0

@@ -1,7 +1,9 @@
-"""The store on real Redis servers: checked binary values, TTLs, sharding, and the per-node breaker."""
+"""The store on real Redis servers: checked binary values (MACs under the shared secret), TTLs,
+sharding, and the per-node breaker."""
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import time
 
@@ -9,11 +11,17 @@ import redis
 import torch
 
 from tokenflow.kv.block_hash import block_keys, prefix_root
+from tokenflow.kv.disk_store import encode_block, mac_key
 from tokenflow.kv.response_cache import StoredResponse
 from tokenflow.params import Chunk
 from tokenflow_redis.store import RedisStore
 
 SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, block size, KV heads, head dim
+SECRET = "replicas-share-this"
+
+
+def make_store(urls: list[str], **kw) -> RedisStore:
+    return RedisStore(urls, secret=SECRET, **kw)
 
 
 def make_blocks(n: int, seed: int = 0) -> tuple[list, list[torch.Tensor]]:
@@ -27,7 +35,7 @@ def raw_client(store: RedisStore, ring_key: bytes | str) -> redis.Redis:
 
 
 def test_blocks_round_trip_exactly_spread_over_nodes_with_ttls(redis_urls) -> None:
-    store = RedisStore(redis_urls, block_ttl_s=60)
+    store = make_store(redis_urls, block_ttl_s=60)
     keys, blocks = make_blocks(24)
     assert all(store.put_block(k, b) for k, b in zip(keys, blocks))
     assert not store.put_block(keys[0], blocks[0])  # there already: only the TTL is refreshed
@@ -40,7 +48,7 @@ def test_blocks_round_trip_exactly_spread_over_nodes_with_ttls(redis_urls) -> No
 
 
 def test_a_prefix_stops_at_the_first_missing_block(redis_urls) -> None:
-    store = RedisStore(redis_urls)
+    store = make_store(redis_urls)
     keys, blocks = make_blocks(10)
     for i in (0, 1, 2, 4, 5):
         store.put_block(keys[i], blocks[i])
@@ -48,7 +56,7 @@ def test_a_prefix_stops_at_the_first_missing_block(redis_urls) -> None:
 
 
 def test_bad_values_are_misses_and_deleted(redis_urls) -> None:
-    store = RedisStore(redis_urls)
+    store = make_store(redis_urls)
     keys, blocks = make_blocks(4)
     for k, b in zip(keys, blocks):
         store.put_block(k, b)
@@ -64,8 +72,39 @@ def test_bad_values_are_misses_and_deleted(redis_urls) -> None:
     assert store.get_blocks(keys[:1], torch.float16, SHAPE) == []  # a dtype the pool does not use
 
 
+def test_values_written_without_the_secret_are_misses_and_deleted(redis_urls) -> None:
+    """What a client of the same Redis without the secret can write: its own well-formed entries, or
+    ours altered with an integrity field recomputed. No replica accepts either."""
+    store = make_store(redis_urls)
+    intruder = RedisStore(redis_urls, secret="a guess")
+    keys, blocks = make_blocks(3)
+    assert intruder.put_block(keys[0], blocks[0])
+    assert store.put_block(keys[1], blocks[1])
+    name = f"tokenflow:kv:{keys[1].hash.hex()}"
+    client = raw_client(store, keys[1].hash)
+    raw = bytearray(client.get(name))
+    header_end = 9 + int.from_bytes(raw[5:9], "little")
+    raw[-5] ^= 0xFF
+    payload = bytes(raw[header_end + 32:])
+    raw[header_end:header_end + 32] = hashlib.blake2b(bytes(raw[:header_end]) + payload, digest_size=32).digest()
+    client.set(name, bytes(raw))
+    assert store.get_blocks(keys[:1], torch.float32, SHAPE) == []
+    assert store.get_blocks(keys[1:2], torch.float32, SHAPE) == []
+    assert store.corrupt_entries == 2
+    assert raw_client(store, keys[0].hash).exists(f"tokenflow:kv:{keys[0].hash.hex()}") == 0
+    assert client.exists(name) == 0
+    chunks = [Chunk(text="hi", token_ids=[5], finish_reason="stop")]
+    assert intruder.put_response("abc", StoredResponse([1], chunks))
+    assert store.get_response("abc") is None and store.corrupt_entries == 3
+    # The entry format is tokenflow's own: a value encoded under the shared secret is accepted.
+    raw_client(store, keys[2].hash).set(
+        f"tokenflow:kv:{keys[2].hash.hex()}", encode_block(keys[2], blocks[2], secret=mac_key(SECRET))
+    )
+    assert [k for k, _ in store.get_blocks(keys[2:], torch.float32, SHAPE)] == keys[2:]
+
+
 def test_responses_round_trip_and_damage_is_a_miss(redis_urls) -> None:
-    store = RedisStore(redis_urls, response_ttl_s=30)
+    store = make_store(redis_urls, response_ttl_s=30)
     chunks = [Chunk(text="hi", token_ids=[5]), Chunk(text="!", token_ids=[6], finish_reason="stop")]
     stored = StoredResponse([1, 2, 3], chunks)
     assert store.put_response("abc", stored)
@@ -78,7 +117,7 @@ def test_responses_round_trip_and_damage_is_a_miss(redis_urls) -> None:
 
 
 def test_a_dead_node_is_bypassed_then_used_again(own_redis) -> None:
-    store = RedisStore([own_redis.url], timeout_s=0.2, retry_s=0.5)
+    store = make_store([own_redis.url], timeout_s=0.2, retry_s=0.5)
     keys, blocks = make_blocks(3)
     assert store.put_block(keys[0], blocks[0])
     own_redis.stop()
@@ -98,7 +137,7 @@ def test_a_dead_node_is_bypassed_then_used_again(own_redis) -> None:
 
 
 def test_a_stalled_node_trips_within_the_timeout(own_redis) -> None:
-    store = RedisStore([own_redis.url], timeout_s=0.2, retry_s=0.5)
+    store = make_store([own_redis.url], timeout_s=0.2, retry_s=0.5)
     keys, blocks = make_blocks(2)
     store.put_block(keys[0], blocks[0])
     own_redis.pause()

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenflow import Engine
+from tokenflow.errors import ConfigError
 from tokenflow_redis import with_redis_tier
 
 rng = random.Random(7)
@@ -28,7 +29,7 @@ MAX_TOKENS = 8
 def settings(urls: list[str], **tier) -> dict:
     return {
         "max_num_seqs": 2, "max_batch_tokens": 64, "num_kv_blocks": 24, "request_stages": with_redis_tier(),
-        "plugin_settings": {"redis_tier": {"urls": urls, **tier}},
+        "plugin_settings": {"redis_tier": {"urls": urls, "secret": "replicas-share-this", **tier}},
     }
 
 
@@ -130,3 +131,29 @@ async def test_a_stalled_redis_costs_at_most_its_timeout(tiny_model, own_redis, 
     own_redis.resume()
     assert stats["redis_breaker_trips"] == 1 and stats["redis_bypassed_ops"] > 0 and stats["num_failed"] == 0
     assert stalled_s < 10  # one timeout (0.2 s) per thread that met the stall, then bypassed
+
+
+async def test_without_a_shared_secret_the_tier_refuses_to_start(tiny_model, redis_urls) -> None:
+    config = settings(redis_urls)
+    del config["plugin_settings"]["redis_tier"]["secret"]
+    with pytest.raises(ConfigError, match="secret"):
+        async with Engine(tiny_model, **config):
+            pass
+    async with Engine(tiny_model, **config, cache_secret="from the engine") as engine:  # the fallback
+        assert (await engine.generate(PROMPTS[0], max_tokens=2, temperature=0.0)).token_ids
+
+
+async def test_replicas_with_another_secret_share_nothing(tiny_model, redis_urls, expected) -> None:
+    """A replica (or anyone) writing under another secret: its blocks and responses are misses here."""
+    theirs = {**settings(redis_urls, secret="theirs"), "num_kv_blocks": 64}
+    async with Engine(tiny_model, **theirs) as engine:
+        await engine.generate(LONG, max_tokens=MAX_TOKENS, temperature=0.0)
+        await engine.generate("a cached answer", max_tokens=6, temperature=0.0, cache_response=True)
+        assert engine.stats()["redis_blocks_published"] >= 18
+    async with Engine(tiny_model, **{**settings(redis_urls), "num_kv_blocks": 64}) as engine:
+        done = await engine.generate(LONG, max_tokens=MAX_TOKENS, temperature=0.0)
+        await engine.generate("a cached answer", max_tokens=6, temperature=0.0, cache_response=True)
+        stats = engine.stats()
+    assert done.token_ids == expected["long"] and done.usage.cached_tokens == 0
+    assert stats["redis_blocks_loaded"] == 0 and stats["redis_response_hits"] == 0
+    assert stats["redis_corrupt_entries"] >= 2  # counted and deleted

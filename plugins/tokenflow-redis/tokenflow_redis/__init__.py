@@ -3,7 +3,8 @@
 Enable it by adding the `redis_tier` stage after `disk_tier`:
 
     Engine(model, request_stages=with_redis_tier(), cache_dir="...",
-           plugin_settings={"redis_tier": {"urls": ["redis://10.0.0.5:6379/0", "redis://10.0.0.6:6379/0"]}})
+           plugin_settings={"redis_tier": {"urls": ["redis://10.0.0.5:6379/0", "redis://10.0.0.6:6379/0"],
+                                           "secret": "<the same random string on every replica>"}})
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@
 2. Consistent hashing: the share of keys that move when a node joins N nodes,
    next to the ideal 1/(N+1).
 
-Without `--urls` it starts a temporary `redis-server` on a free port.
+Without `--urls` it starts a temporary `redis-server` on a free port. The
+two processes share a random secret made for the run (in the environment,
+`TFREDIS_BENCH_SECRET`), so the values they write serve nothing else.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -28,6 +32,7 @@ from typing import Any
 
 from tokenflow_redis.ring import HashRing, moved_fraction
 
+_SECRET_ENV = "TFREDIS_BENCH_SECRET"
 QUESTION = "\n\nQuestion: summarise the text above in one sentence."
 
 
@@ -54,7 +59,9 @@ async def _process(role: str, model: str, urls: list[str], words: int) -> dict[s
     from tokenflow_redis import with_redis_tier
 
     shared, fresh = _long_text(1, words) + QUESTION, _long_text(2, words) + QUESTION
-    settings = {"request_stages": with_redis_tier(), "plugin_settings": {"redis_tier": {"urls": urls}}}
+    secret = os.environ[_SECRET_ENV]
+    settings = {"request_stages": with_redis_tier(),
+                "plugin_settings": {"redis_tier": {"urls": urls, "secret": secret}}}
     rows: dict[str, Any] = {}
     async with Engine(model, **settings) as engine:
         await engine.generate("Hello there, warm up please.", max_tokens=4, temperature=0.0)
@@ -116,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.role:
         print(json.dumps(asyncio.run(_process(args.role, args.model, urls, args.words))))
         return
+    os.environ.setdefault(_SECRET_ENV, secrets.token_hex(32))  # inherited by both processes
     proc = None
     if not urls:
         proc, url = _start_redis()

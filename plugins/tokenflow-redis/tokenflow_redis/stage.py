@@ -14,7 +14,11 @@ stay in front of it (local first, then global):
   stored with a TTL.
 
 Settings come from `EngineConfig.plugin_settings["redis_tier"]` (see
-`RedisTierSettings`). Nothing here does network I/O on the event loop: the
+`RedisTierSettings`). Every value carries a MAC keyed by `secret` (else the
+engine's `cache_secret`): without one the stage refuses to start, since any
+client of the Redis could otherwise feed every replica. Response keys use the
+serving fingerprint (`EngineContext.serving_key`). Nothing here does network
+I/O on the event loop: the
 store runs in worker threads, and its per-node breakers turn a dead or slow
 Redis into misses until it answers again.
 """
@@ -63,6 +67,7 @@ class RedisTierSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     publish: bool = True  # share blocks as they fill (False: only when the pool evicts them)
     readers: int = 2  # load jobs at once
     max_pending_writes: int = 256  # blocks copied out and not yet sent; more are not published
+    secret: str | None = None  # keys the values' MACs; every replica must share it (default: cache_secret)
 
 
 class RedisTier(BlockTier):
@@ -77,8 +82,10 @@ class RedisTier(BlockTier):
             )
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid plugin_settings.{STAGE_NAME}: {exc}", field="plugin_settings") from None
+        self.secret = self.settings.secret or getattr(config, "cache_secret", None)
+        self.load_timeout_s = getattr(config, "tier_load_timeout_s", self.load_timeout_s)
         self.store: RedisStore | None = None
-        self.model_key = b""
+        self.serving_key = b""
         self.observers: list[Any] = []
         self.max_pending_writes = self.settings.max_pending_writes
         self._known: OrderedDict[bytes, None] = OrderedDict()  # block hashes known to be in Redis
@@ -88,14 +95,19 @@ class RedisTier(BlockTier):
         self.response_stores = 0
 
     async def start(self, ctx: Any) -> None:
+        if not self.secret:  # raised here, not in __init__, so the engine's caller gets the ConfigError itself
+            raise ConfigError(
+                f"the redis tier needs a shared secret: set plugin_settings.{STAGE_NAME}.secret (or cache_secret) "
+                "to the same random string on every replica", field="plugin_settings",
+            )
         s = self.settings
         self.store = RedisStore(
-            s.urls, namespace=s.namespace, block_ttl_s=s.block_ttl_s, response_ttl_s=s.response_ttl_s,
-            timeout_s=s.timeout_s, retry_s=s.retry_s, vnodes=s.vnodes,
+            s.urls, secret=self.secret, namespace=s.namespace, block_ttl_s=s.block_ttl_s,
+            response_ttl_s=s.response_ttl_s, timeout_s=s.timeout_s, retry_s=s.retry_s, vnodes=s.vnodes,
         )
         up = await anyio.to_thread.run_sync(self.store.ping)
         log.info("redis tier: %d/%d nodes answering (%s)", sum(up.values()), len(up), ", ".join(up))
-        self.model_key = ctx.model_key
+        self.serving_key = ctx.serving_key or ctx.model_key
         self.observers = ctx.observers
         ctx.observers.append(self)
         self.start_writer()
@@ -116,6 +128,11 @@ class RedisTier(BlockTier):
         loaded = self.store.get_blocks(keys, self.dtype, self.block_shape)
         self._remember(key.hash for key, _ in loaded)
         return loaded
+
+    def discard_block(self, key: BlockKey) -> None:
+        if self.store is not None:
+            self._forget(key.hash)
+            self.store.delete_block(key)
 
     def on_commit(self, block: int, key: BlockKey) -> None:
         if self.settings.publish:
@@ -158,7 +175,7 @@ class RedisTier(BlockTier):
     async def handle(self, request: Any, call_next: Any) -> None:
         store = self.store
         if store is not None and wants_cached_response(request, self.config.response_cache):
-            key = response_key(self.model_key, request)
+            key = response_key(self.serving_key, request)
             if key is not None and store.available(key):
                 stored = await anyio.to_thread.run_sync(store.get_response, key)
                 if stored is not None:

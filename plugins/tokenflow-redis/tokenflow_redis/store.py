@@ -1,14 +1,19 @@
 """The shared store: KV blocks and responses on several Redis nodes.
 
 Keys are spread over the nodes by consistent hashing (`ring.py`). Values are
-binary and checked when read, never pickled:
+binary and checked when read, never pickled, and carry a MAC keyed by the
+deployment's shared secret (keyed BLAKE2b over header and payload), so a
+client that can write to Redis but lacks the secret cannot plant a value
+that any replica accepts:
 - a KV block is tokenflow's block entry (`tokenflow.kv.disk_store.encode_block`:
-  magic, JSON header with key, parent, tokens, dtype, shape and a CRC-32,
-  then the raw tensor bytes), read back with every check;
-- a response is a frame: magic, JSON header (key, length, CRC-32), then the
-  response as msgspec JSON (`tokenflow.kv.response_cache`).
-A value that fails a check is a miss, counted and deleted. Every write sets a
-TTL; a block read refreshes it (`GETEX`), so hot prefixes stay.
+  magic, JSON header with key, parent, tokens, dtype and shape, the MAC, then
+  the raw tensor bytes), read back with every check;
+- a response is tokenflow's frame (`encode_frame`: magic, JSON header with
+  name and length, the MAC), then the response as msgspec JSON
+  (`tokenflow.kv.response_cache`).
+A value that fails a check (another secret included) is a miss, counted and
+deleted. Every write sets a TTL; a block read refreshes it (`GETEX`), so hot
+prefixes stay.
 
 Each node has a breaker. A connection error or a reply slower than
 `timeout_s` trips it: for `retry_s` its keys are misses and its writes are
@@ -21,10 +26,8 @@ the breaker.
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,46 +39,15 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tokenflow.kv.block_hash import BlockKey
-from tokenflow.kv.disk_store import CorruptEntry, decode_block, encode_block
+from tokenflow.kv.disk_store import CorruptEntry, decode_block, decode_frame, encode_block, encode_frame, mac_key
 from tokenflow.kv.response_cache import StoredResponse, decode_response
 from tokenflow_redis.ring import HashRing
 
-__all__ = ("NodeBreaker", "RedisStore", "decode_frame", "encode_frame")
+__all__ = ("NodeBreaker", "RedisStore")
 
 log = logging.getLogger("tokenflow.redis")
 
-FRAME_MAGIC = b"TFRS\x01"
-_LEN = struct.Struct("<I")
 FETCH_BATCH = 8  # blocks asked for per round trip while walking a prefix
-
-
-class _FrameHeader(msgspec.Struct, frozen=True):
-    key: str
-    length: int
-    checksum: int
-
-
-def encode_frame(key: str, payload: bytes) -> bytes:
-    header = msgspec.json.encode(_FrameHeader(key, len(payload), zlib.crc32(payload)))
-    return b"".join((FRAME_MAGIC, _LEN.pack(len(header)), header, payload))
-
-
-def decode_frame(raw: bytes, key: str) -> bytes:
-    """The payload of a frame stored under `key`; raises `CorruptEntry` on any mismatch."""
-    start = len(FRAME_MAGIC) + _LEN.size
-    if not raw.startswith(FRAME_MAGIC) or len(raw) < start:
-        raise CorruptEntry("bad magic")
-    (header_len,) = _LEN.unpack_from(raw, len(FRAME_MAGIC))
-    try:
-        header = msgspec.json.decode(raw[start:start + header_len], type=_FrameHeader)
-    except msgspec.DecodeError as exc:
-        raise CorruptEntry(f"bad header: {exc}") from None
-    payload = raw[start + header_len:]
-    if header.key != key:
-        raise CorruptEntry("stored under another key")
-    if header.length != len(payload) or header.checksum != zlib.crc32(payload):
-        raise CorruptEntry("length or checksum mismatch")
-    return payload
 
 
 class NodeBreaker:
@@ -119,12 +91,15 @@ def _node_name(url: str) -> str:
 
 
 class RedisStore:
+    """KV blocks and responses on `urls`; `secret` (shared by every replica) keys the values' MACs."""
+
     def __init__(
-        self, urls: Sequence[str], *, namespace: str = "tokenflow", block_ttl_s: float = 3600.0,
+        self, urls: Sequence[str], *, secret: str | bytes, namespace: str = "tokenflow", block_ttl_s: float = 3600.0,
         response_ttl_s: float = 600.0, timeout_s: float = 0.5, retry_s: float = 5.0, vnodes: int = 160,
     ) -> None:
         if not urls:
             raise ValueError("the redis tier needs at least one Redis URL")
+        self._key = mac_key(secret)
         self.namespace = namespace
         self.block_ttl_ms = max(1, int(block_ttl_s * 1000))
         self.response_ttl_ms = max(1, int(response_ttl_s * 1000))
@@ -176,7 +151,7 @@ class RedisStore:
         def put(client: redis.Redis) -> bool:
             if client.pexpire(name, self.block_ttl_ms):
                 return False  # there already (another replica computed it)
-            return bool(client.set(name, encode_block(key, data), px=self.block_ttl_ms, nx=True))
+            return bool(client.set(name, encode_block(key, data, secret=self._key), px=self.block_ttl_ms, nx=True))
 
         return self._call(self.ring.node_for(key.hash), put, False)
 
@@ -193,7 +168,7 @@ class RedisStore:
                 if raw is None:
                     return loaded
                 try:
-                    loaded.append((key, decode_block(raw, key, dtype, shape)))
+                    loaded.append((key, decode_block(raw, key, dtype, shape, secret=self._key)))
                 except CorruptEntry as exc:
                     self._drop(key.hash, self._block_name(key), exc)
                     return loaded
@@ -216,6 +191,11 @@ class RedisStore:
             found.update((k.hash, v) for k, v in zip(node_keys, values) if v is not None)
         return found
 
+    def delete_block(self, key: BlockKey) -> None:
+        """Delete a block found unusable after it decoded (e.g. non-finite values)."""
+        name = self._block_name(key)
+        self._call(self.ring.node_for(key.hash), lambda client: client.delete(name), None)
+
     def _drop(self, ring_key: bytes | str, name: str, exc: Exception) -> None:
         self.corrupt_entries += 1
         log.warning("redis tier: dropping %s: %s", name, exc)
@@ -224,7 +204,7 @@ class RedisStore:
     # -- responses ---------------------------------------------------------------------------
     def put_response(self, key: str, stored: StoredResponse) -> bool:
         name = self._response_name(key)
-        value = encode_frame(key, msgspec.json.encode(stored))
+        value = encode_frame(name, msgspec.json.encode(stored), secret=self._key)
         return bool(self._call(self.ring.node_for(key), lambda c: c.set(name, value, px=self.response_ttl_ms), False))
 
     def get_response(self, key: str) -> StoredResponse | None:
@@ -233,7 +213,7 @@ class RedisStore:
         if raw is None:
             return None
         try:
-            stored = decode_response(decode_frame(raw, key))
+            stored = decode_response(decode_frame(raw, name, secret=self._key))
         except CorruptEntry as exc:
             stored, error = None, exc
         else:
