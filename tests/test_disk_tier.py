@@ -68,7 +68,8 @@ async def test_folder_deleted_mid_run(tiny_model, expected, tmp_path) -> None:
         with anyio.fail_after(5):
             while engine.stats()["disk_blocks_written"] == 0:  # written behind, by the writer thread
                 await anyio.sleep(0.01)
-        shutil.rmtree(folder)
+        while folder.exists():  # the writer thread may add a file while the folder is being deleted
+            shutil.rmtree(folder, ignore_errors=True)
         for i, prompt in enumerate(OTHERS):
             assert (await engine.generate(prompt, max_tokens=8, temperature=0.0)).token_ids == expected["others"][i]
         assert (await engine.generate(PROMPT, max_tokens=8, temperature=0.0)).token_ids == expected["prompt"]

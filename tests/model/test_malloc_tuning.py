@@ -33,7 +33,7 @@ def _faults(mode: str) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
 def test_freed_memory_is_reused_without_page_faults() -> None:
-    # By default glibc gives part of each freed block back to the kernel (measured here: 512 of
-    # its 2,048 pages a round), and the next round faults them in again.
-    assert _faults("default") >= 20 * 256
+    # By default glibc gives part of each freed block back to the kernel (measured here: 200 to 512
+    # of its 2,048 pages a round, by machine), and the next round faults them in again.
+    assert _faults("default") >= 20 * 64
     assert _faults("tuned") < 50
