@@ -5,6 +5,6 @@
          -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}'
 """
 
-from tokenflow.integrations.openai_app import create_app
+from tokenflow.serve.openai_app import create_app
 
 app = create_app("smollm2-135m", max_num_seqs=16)

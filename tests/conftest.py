@@ -27,7 +27,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def real_model() -> Path:
     """The embedded default (SmolLM2-135M-Instruct), fetched and converted once per machine."""
-    from tokenflow.models import resolve_model
+    from tokenflow.hub import resolve_model
 
     return resolve_model("smollm2-135m").path
 

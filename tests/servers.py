@@ -17,7 +17,7 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenflow.integrations.openai_app import create_app
+from tokenflow.serve.openai_app import create_app
 
 __all__ = ("ServeProcess", "Server", "free_port", "metric_values")
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.servers import Server
-from tokenflow.integrations.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tokenflow.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 EXAMPLES = 200  # per test; the whole file stays under ~2 minutes on a 2-core CI machine

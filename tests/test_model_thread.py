@@ -11,7 +11,7 @@ import pytest
 
 import tokenflow.engine
 from tokenflow import Engine
-from tokenflow.model_thread import ModelThread
+from tokenflow.runtime.model_thread import ModelThread
 
 
 @pytest.mark.parametrize("backend", ["paged", "hf"])

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from tests.test_oracle import hf_greedy
 from tokenflow import Engine
 from tokenflow.errors import ConfigError
-from tokenflow.ngram_speculation import accepted_tokens, can_speculate, propose_draft
 from tokenflow.params import SamplingParams
+from tokenflow.scheduler.ngram import accepted_tokens, can_speculate, propose_draft
 
 
 def test_draft_follows_the_latest_occurrence_of_the_longest_suffix() -> None:
@@ -137,7 +137,7 @@ async def test_a_request_ending_inside_an_accepted_draft(tiny_model, monkeypatch
     async with Engine(tiny_model, block_size=4) as engine:
         ref = [(await engine.generate(p, max_tokens=20, temperature=0.0, ignore_eos=True)).token_ids
                for p in prompts]
-    monkeypatch.setattr("tokenflow.stages.batcher.propose_draft", _oracle_drafts(prompts, ref))
+    monkeypatch.setattr("tokenflow.scheduler.scheduler.propose_draft", _oracle_drafts(prompts, ref))
     async with Engine(tiny_model, speculative_tokens=3, block_size=4, debug_leaks=True) as engine:
         for prompt, out in zip(prompts, ref):
             for j in range(12):
@@ -169,7 +169,7 @@ async def test_speculation_under_preemption(tiny_model, monkeypatch) -> None:
     async with Engine(tiny_model, num_kv_blocks=256) as engine:
         ref = await _generate_all(engine, prompts, max_tokens=40, temperature=0.0, ignore_eos=True)
     ref_tokens = [r.token_ids for r in ref]
-    monkeypatch.setattr("tokenflow.stages.batcher.propose_draft", _oracle_drafts(prompts, ref_tokens))
+    monkeypatch.setattr("tokenflow.scheduler.scheduler.propose_draft", _oracle_drafts(prompts, ref_tokens))
     # 8 sequences of up to 100 tokens need up to 56 blocks: 20 forces preemption mid-decode.
     async with Engine(tiny_model, speculative_tokens=3, speculative_max_seqs=8, max_num_seqs=8,
                       max_batch_tokens=128, num_kv_blocks=20, kv_high_watermark=1.0, debug_leaks=True) as engine:

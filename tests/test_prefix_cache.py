@@ -92,7 +92,7 @@ async def test_warm_restart_gets_disk_hits(tiny_model, tmp_path) -> None:
 
 async def test_lfu_lru_keeps_hot_prefixes_that_lru_loses(tiny_model) -> None:
     """The bench-prefix workload, scaled down: hot system prompts between bursts of one-off documents."""
-    from tokenflow.bench_prefix import hit_rate_workload, run_hit_rate
+    from tokenflow.benchmarks.prefix import hit_rate_workload, run_hit_rate
 
     workload = hit_rate_workload(400, system_tokens=160, doc_tokens=192, cycles=8)
     lfu, lru = [

@@ -135,7 +135,7 @@ async def test_bf16_greedy_on_the_real_model(real_model, bf16_reference, native:
 async def test_speculative_greedy_on_the_real_model(real_model, real_hf_model) -> None:
     """n-gram speculation on bench-like chat prompts: the tokens of transformers' greedy generate;
     where a near tie flips one, the two tokens' reference logprobs are within 0.1."""
-    from tokenflow.bench import make_workload
+    from tokenflow.benchmarks.throughput import make_workload
 
     model, tokenizer = real_hf_model
     prompts = make_workload(tokenizer, 6, 20, 300)

@@ -134,7 +134,7 @@ async def test_high_watermark_pauses_admission_and_avoids_preemption(tiny_model)
 
 
 def test_decode_buckets() -> None:
-    from tokenflow.model.compiled import decode_buckets, padded_size
+    from tokenflow.runtime.compiled import decode_buckets, padded_size
 
     assert decode_buckets(32) == [1, 2, 4, 8, 16, 32]
     assert decode_buckets(12) == [1, 2, 4, 8, 12]

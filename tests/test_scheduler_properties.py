@@ -20,7 +20,7 @@ from tokenflow.errors import InvalidRequest, Overloaded
 from tokenflow.kv.block_pool import BlockPool
 from tokenflow.params import SamplingParams
 from tokenflow.request import Request, RequestStatus
-from tokenflow.stages.batcher import BucketingBatcher
+from tokenflow.scheduler.scheduler import BucketingBatcher
 
 MAX_MODEL_LEN = 48
 

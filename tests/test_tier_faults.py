@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 from tests.test_oracle import hf_greedy
 from tokenflow import Engine
 from tokenflow.kv.block_hash import BlockKey
-from tokenflow.kv.disk_store import DiskStore, encode_block
-from tokenflow.stages.disk_tier import DiskTier
+from tokenflow.kv.tiers.disk import DiskTier
+from tokenflow.kv.tiers.disk_store import DiskStore, encode_block
 
 PROMPT = list(range(11, 11 + 120))  # 7 full blocks of 16, and a partial one
 OTHERS = [[(7 * i + j) % 390 + 5 for j in range(90)] for i in range(3)]

@@ -120,7 +120,7 @@ async def _chat(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from tokenflow.integrations.openai_app import create_app
+    from tokenflow.serve.openai_app import create_app
 
     http = dict(api_key=args.api_key, max_request_bytes=args.max_request_bytes, cors_origins=args.cors_origin or (),
                 report_cached_tokens=args.report_cached_tokens, trusted_client_fields=args.trust_client_field or ())
@@ -165,7 +165,7 @@ def _kind_of_factory(factory: Any, group: str) -> str:
 
 
 def _pull(args: argparse.Namespace) -> None:
-    from tokenflow.models import resolve_model
+    from tokenflow.hub import resolve_model
 
     resolved = resolve_model(args.model, progress=True)
     print(f"{resolved.name}: {resolved.path}")
@@ -173,14 +173,14 @@ def _pull(args: argparse.Namespace) -> None:
 
 # command -> (module with `add_arguments(parser)`, its run function, help)
 _BENCHES = {
-    "bench": ("tokenflow.bench", "run_bench", "throughput / latency benchmark against transformers"),
-    "bench-tokenizer": ("tokenflow.bench_tokenizer", "run_bench_tokenizer",
+    "bench": ("tokenflow.benchmarks.throughput", "run_bench", "throughput / latency benchmark against transformers"),
+    "bench-tokenizer": ("tokenflow.benchmarks.tokenizer", "run_bench_tokenizer",
                         "the tokenizer stage against encoding on the event loop"),
-    "bench-prefix": ("tokenflow.bench_prefix", "run_bench_prefix",
+    "bench-prefix": ("tokenflow.benchmarks.prefix", "run_bench_prefix",
                      "prefix cache: eviction hit rates and time to first token"),
-    "bench-step": ("tokenflow.bench_step", "run_bench_step",
+    "bench-step": ("tokenflow.benchmarks.step", "run_bench_step",
                    "decode step time with and without compile; scheduler time"),
-    "bench-attention": ("tokenflow.bench_attention", "run_bench_attention",
+    "bench-attention": ("tokenflow.benchmarks.attention", "run_bench_attention",
                         "attention policies: perplexity, step time, KV memory"),
 }
 

@@ -23,18 +23,18 @@ import anyio.to_thread
 from tokenflow import registry
 from tokenflow.config import EngineConfig
 from tokenflow.errors import DeadlineExceeded, EngineClosed, EngineError, InvalidRequest, TokenflowError
+from tokenflow.hub import resolve_model
 from tokenflow.kv.block_hash import model_key
-from tokenflow.kv.response_cache import serving_key
 from tokenflow.limits import RequestLimits
-from tokenflow.model.loader import load_model
-from tokenflow.model.openmp_team import release_openmp_team
-from tokenflow.model.sampler import make_generator
-from tokenflow.model_thread import ModelThread
-from tokenflow.models import resolve_model
-from tokenflow.output import OutputProcessor, usage_of
+from tokenflow.output.processor import OutputProcessor, usage_of
 from tokenflow.params import Chunk, Completion, SamplingParams
 from tokenflow.protocols import EngineContext, NextStage
 from tokenflow.request import Request
+from tokenflow.runtime.cpu.openmp_team import release_openmp_team
+from tokenflow.runtime.loader import load_model
+from tokenflow.runtime.model_thread import ModelThread
+from tokenflow.runtime.sampler import make_generator
+from tokenflow.stages.response_tier import serving_key
 from tokenflow.step_loop import StepLoop
 
 __all__ = ("Engine",)

@@ -83,7 +83,7 @@ class RequestStage(Protocol):
 class ScheduledChunk:
     """`num_tokens` new tokens of `request` to compute this step.
 
-    With a draft (n-gram speculation, `tokenflow.ngram_speculation`) the chunk is the request's last
+    With a draft (n-gram speculation, `tokenflow.scheduler.ngram`) the chunk is the request's last
     known token followed by `draft`, and `num_tokens` counts both.
     """
 
@@ -196,7 +196,7 @@ class KVPool(Protocol):
     reports computed blocks with `commit` and returns everything with `release`.
 
     Tiers below the pool (the disk tier, a plugin's shared remote tier) build on
-    `tokenflow.kv.tier.BlockTier` and use the `token_pool`'s public hooks:
+    `tokenflow.kv.tiers.base.BlockTier` and use the `token_pool`'s public hooks:
     `lower_tiers` (asked in order for a prefix past the resident blocks),
     `evict_listeners` and `commit_listeners` (`(block, key)`, on the event loop),
     `kv.read_block` / `kv.write_block`, `restore(key, data, request)`,

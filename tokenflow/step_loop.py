@@ -28,13 +28,13 @@ import anyio.from_thread
 import torch
 
 from tokenflow.errors import EngineError, InvalidRequest
-from tokenflow.model.loader import LoadedModel
-from tokenflow.model.sampler import RowFailure, Sampler, SamplerOutput, row_of
-from tokenflow.model_thread import ModelThread
-from tokenflow.ngram_speculation import accepted_tokens
-from tokenflow.output import OutputProcessor
+from tokenflow.output.processor import OutputProcessor
 from tokenflow.protocols import StepPlan, notify_request_end
 from tokenflow.request import Request, RequestStatus
+from tokenflow.runtime.loader import LoadedModel
+from tokenflow.runtime.model_thread import ModelThread
+from tokenflow.runtime.sampler import RowFailure, Sampler, SamplerOutput, row_of
+from tokenflow.scheduler.ngram import accepted_tokens
 
 __all__ = ("MAX_CONSECUTIVE_FAILURES", "KVLeakError", "StepLoop", "sampling_error")
 

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
 from tokenflow import Engine
-from tokenflow.integrations.openai_app import engine_lifespan, openai_routes
+from tokenflow.serve.openai_app import engine_lifespan, openai_routes
 
 
 class SummaryIn(BaseModel):

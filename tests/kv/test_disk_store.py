@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tokenflow.kv.block_hash import BlockKey, block_keys
-from tokenflow.kv.disk_store import (
+from tokenflow.kv.tiers.disk_store import (
     CorruptEntry,
     DiskStore,
     decode_block,

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tokenflow.config import EngineConfig
 from tokenflow.kv.block_hash import model_key
-from tokenflow.kv.response_cache import serving_key
+from tokenflow.stages.response_tier import serving_key
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from tokenflow.kv.block_hash import BlockKey, block_keys, prefix_root
 from tokenflow.kv.block_pool import OutOfBlocks
 from tokenflow.kv.eviction import LFULRUPolicy, LRUPolicy
 from tokenflow.kv.kv_cache import KVCache
-from tokenflow.kv.token_pool import TokenPool
+from tokenflow.kv.prefix_cache import TokenPool
 from tokenflow.params import SamplingParams
 from tokenflow.request import Request
 

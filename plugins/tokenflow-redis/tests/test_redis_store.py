@@ -11,9 +11,9 @@ import redis
 import torch
 
 from tokenflow.kv.block_hash import block_keys, prefix_root
-from tokenflow.kv.disk_store import encode_block, mac_key
-from tokenflow.kv.response_cache import StoredResponse
+from tokenflow.kv.tiers.disk_store import encode_block, mac_key
 from tokenflow.params import Chunk
+from tokenflow.stages.response_tier import StoredResponse
 from tokenflow_redis.store import RedisStore
 
 SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, block size, KV heads, head dim

@@ -37,14 +37,14 @@ import torch
 
 from tokenflow.errors import ConfigError
 from tokenflow.kv.block_hash import BlockKey
-from tokenflow.kv.response_cache import (
+from tokenflow.kv.tiers.base import BlockTier
+from tokenflow.stages.response_tier import (
     recorded_response,
     replay,
     response_key,
     start_recording,
     wants_cached_response,
 )
-from tokenflow.kv.tier import BlockTier
 from tokenflow_redis.store import RedisStore
 
 __all__ = ("RedisTier", "RedisTierSettings", "create")

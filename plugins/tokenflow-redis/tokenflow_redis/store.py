@@ -5,12 +5,12 @@ binary and checked when read, never pickled, and carry a MAC keyed by the
 deployment's shared secret (keyed BLAKE2b over header and payload), so a
 client that can write to Redis but lacks the secret cannot plant a value
 that any replica accepts:
-- a KV block is tokenflow's block entry (`tokenflow.kv.disk_store.encode_block`:
+- a KV block is tokenflow's block entry (`tokenflow.kv.tiers.disk_store.encode_block`:
   magic, JSON header with key, parent, tokens, dtype and shape, the MAC, then
   the raw tensor bytes), read back with every check;
 - a response is tokenflow's frame (`encode_frame`: magic, JSON header with
   name and length, the MAC), then the response as msgspec JSON
-  (`tokenflow.kv.response_cache`).
+  (`tokenflow.stages.response_tier`).
 A value that fails a check (another secret included) is a miss, counted and
 deleted. Every write sets a TTL; a block read refreshes it (`GETEX`), so hot
 prefixes stay.
@@ -39,8 +39,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tokenflow.kv.block_hash import BlockKey
-from tokenflow.kv.disk_store import CorruptEntry, decode_block, decode_frame, encode_block, encode_frame, mac_key
-from tokenflow.kv.response_cache import StoredResponse, decode_response
+from tokenflow.kv.tiers.disk_store import CorruptEntry, decode_block, decode_frame, encode_block, encode_frame, mac_key
+from tokenflow.stages.response_tier import StoredResponse, decode_response
 from tokenflow_redis.ring import HashRing
 
 __all__ = ("NodeBreaker", "RedisStore")

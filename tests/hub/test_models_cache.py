@@ -1,0 +1,200 @@
+"""The converted-model cache: GGUF conversion, the completion marker, locking, and leftovers."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import _tiny_models as tiny
+import pytest
+
+from tokenflow.errors import ModelLoadError
+from tokenflow.hub import cache, convert, resolve_model
+from tokenflow.hub import resolve as resolve_mod
+from tokenflow.hub.convert import sha256_file
+
+
+@pytest.fixture
+def conversions(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Record every real conversion resolve_model starts."""
+    seen: list[Path] = []
+    real = resolve_mod.convert_gguf
+
+    def counting(gguf_path: Path, out_dir: Path, bar: object) -> None:
+        seen.append(gguf_path)
+        real(gguf_path, out_dir, bar)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(resolve_mod, "convert_gguf", counting)
+    return seen
+
+
+def test_gguf_is_converted_into_a_loadable_folder(tiny_gguf: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    digest = sha256_file(tiny_gguf)
+    assert resolved.name == "tiny"
+    assert resolved.path == tmp_path / "models" / f"gguf-{digest[:16]}"
+    marker = json.loads((resolved.path / cache.MARKER).read_text())
+    assert marker["source_sha256"] == digest
+    model = AutoModelForCausalLM.from_pretrained(resolved.path)
+    tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+    assert model.config.num_hidden_layers == 2 and model.config.vocab_size == len(tokenizer)
+    assert tokenizer.chat_template == tiny.CHAT_TEMPLATE
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert list((tmp_path / "models").glob(".gguf-*.tmp-*")) == []
+
+
+def test_second_resolve_does_not_convert(tiny_gguf: Path, tmp_path: Path, conversions: list[Path]) -> None:
+    first = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    started = time.perf_counter()
+    second = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    assert time.perf_counter() - started < 0.5
+    assert first == second
+    assert conversions == [tiny_gguf]
+
+
+def test_incomplete_folder_without_marker_is_rebuilt(
+    tiny_gguf: Path, tmp_path: Path, conversions: list[Path]
+) -> None:
+    dest = tmp_path / "models" / f"gguf-{sha256_file(tiny_gguf)[:16]}"
+    dest.mkdir(parents=True)
+    (dest / "config.json").write_text("{half written")
+    resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    assert resolved.path == dest and conversions == [tiny_gguf]
+    assert json.loads((dest / "config.json").read_text())["num_hidden_layers"] == 2
+    assert cache.cached_folder(dest, sha256_file(tiny_gguf))
+
+
+def test_marker_for_another_source_is_rebuilt(
+    tiny_gguf: Path, tmp_path: Path, conversions: list[Path]
+) -> None:
+    resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    marker = resolved.path / cache.MARKER
+    marker.write_text(json.dumps({"format": 1, "source_sha256": "0" * 64}))
+    resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    assert len(conversions) == 2
+    assert json.loads(marker.read_text())["source_sha256"] == sha256_file(tiny_gguf)
+
+
+def test_cache_is_keyed_by_content(tiny_gguf: Path, tmp_path: Path) -> None:
+    other = tiny.make_gguf(tmp_path / "tiny.gguf", seed=1)  # same name, different weights
+    a = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    b = resolve_model(other, home=tmp_path, progress=False)
+    assert a.path != b.path
+    assert (a.path / "model.safetensors").read_bytes() != (b.path / "model.safetensors").read_bytes()
+
+
+def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    with pytest.raises(ModelLoadError, match="could not load the GGUF"):
+        resolve_model(bad, home=tmp_path, progress=False)
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [f".gguf-{sha256_file(bad)[:16]}.lock"]
+
+
+def test_leftovers_of_a_crashed_build_are_removed(tiny_gguf: Path, tmp_path: Path) -> None:
+    name = f"gguf-{sha256_file(tiny_gguf)[:16]}"
+    stale = tmp_path / "models" / f".{name}.tmp-crashed"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"junk")
+    resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    assert not stale.exists()
+
+
+def test_concurrent_builds_convert_once(tmp_path: Path) -> None:
+    """Two threads asking at once: one builds under the lock, the other waits and reuses it."""
+    calls: list[int] = []
+
+    def slow_build(out_dir: Path) -> None:
+        calls.append(1)
+        time.sleep(0.3)
+        (out_dir / "config.json").write_text("{}")
+
+    dest = tmp_path / "models" / "m"
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(cache.ensure_folder(dest, "abc", slow_build)))
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == [1]
+    assert results == [dest, dest]
+
+
+def test_build_error_propagates_and_cleans_up(tmp_path: Path) -> None:
+    def broken(out_dir: Path) -> None:
+        (out_dir / "partial").write_text("x")
+        raise ModelLoadError("boom")
+
+    with pytest.raises(ModelLoadError, match="boom"):
+        cache.ensure_folder(tmp_path / "models" / "m", "abc", broken)
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [".m.lock"]
+
+
+def test_chat_template_carried_over_when_tokenizer_drops_it(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If transformers' GGUF tokenizer loses the template, it is taken from the GGUF metadata."""
+    import transformers
+
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def forgetful(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        tokenizer = real(*args, **kwargs)
+        if kwargs.get("gguf_file"):
+            tokenizer.chat_template = None
+        return tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", forgetful)
+    resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    assert real(resolved.path).chat_template == tiny.CHAT_TEMPLATE
+
+
+def test_chat_template_file_written_when_save_loses_it(hf_folder: Path, tmp_path: Path) -> None:
+    import shutil
+
+    folder = shutil.copytree(hf_folder, tmp_path / "copy")
+    (folder / convert.CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    convert._ensure_chat_template(folder, tiny.CHAT_TEMPLATE)
+    assert (folder / convert.CHAT_TEMPLATE_FILE).read_text() == tiny.CHAT_TEMPLATE
+
+
+def test_gguf_without_template_converts(tmp_path: Path) -> None:
+    plain = tiny.make_gguf(tmp_path / "plain.gguf", chat_template=None)
+    assert convert.gguf_chat_template(plain) is None
+    resolved = resolve_model(plain, home=tmp_path, progress=False)
+    assert (resolved.path / "config.json").is_file()
+
+
+def test_progress_bar_names_stages(
+    tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    resolve_model(tiny_gguf, home=tmp_path / "a", progress=True)
+    err = capsys.readouterr().err
+    assert "convert" in err and "save" in err and "done" in err
+    resolve_model(tiny_gguf, home=tmp_path / "b", progress=False)
+    assert capsys.readouterr().err == ""
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # the global switch was restored
+
+
+def test_unwritable_home(tiny_gguf: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ModelLoadError, match="TOKENFLOW_HOME"):
+        resolve_model(tiny_gguf, home=tmp_path / "file" / "home", progress=False)
+
+
+def test_converted_files_are_world_readable(tiny_gguf: Path, tmp_path: Path) -> None:
+    resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    assert resolved.path.stat().st_mode & 0o755 == 0o755
+    assert all(p.stat().st_mode & 0o644 == 0o644 for p in resolved.path.iterdir())

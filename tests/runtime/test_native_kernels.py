@@ -1,0 +1,191 @@
+"""The native bf16 attention kernels: the same attention as the torch-ops path, built once, optional."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tokenflow.runtime.attention import matmul as matmul_attention
+from tokenflow.runtime.attention.matmul import decode_attention, prefill_attention
+from tokenflow.runtime.cpu import native_kernels
+from tokenflow.runtime.cpu.native_kernels import load_native_kernels
+
+BF16 = torch.bfloat16
+
+# The CPUs we serve (Linux with gcc): the kernel must build there, not silently fall back.
+needs_compiler = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or shutil.which("cc") is None, reason="needs Linux and a C compiler"
+)
+
+
+class PagedBatch:
+    """A KV cache with `lengths` sequences in shuffled blocks, and their decode queries."""
+
+    def __init__(self, lengths: list[int], kv_heads: int, group: int, head_dim: int, block_size: int) -> None:
+        rng = random.Random(sum(lengths) + head_dim)
+        g = torch.Generator().manual_seed(len(lengths) * 7 + group)
+        self.lengths, self.block_size = lengths, block_size
+        self.max_blocks = -(-max(lengths) // block_size)
+        num_blocks = 1 + sum(-(-n // block_size) for n in lengths) + 5
+        slots = num_blocks * block_size
+        self.k = torch.randn(slots, kv_heads, head_dim, generator=g).to(BF16)
+        self.v = torch.randn(slots, kv_heads, head_dim, generator=g).to(BF16)
+        free = list(range(1, num_blocks))
+        rng.shuffle(free)
+        self.tables = torch.zeros(len(lengths), self.max_blocks, dtype=torch.long)  # padding: block 0
+        for i, n in enumerate(lengths):
+            for b in range(-(-n // block_size)):
+                self.tables[i, b] = free.pop()
+        self.q = torch.randn(len(lengths), kv_heads, group, head_dim, generator=g).to(BF16)
+        self.scale = head_dim**-0.5
+
+    def torch_ops(self) -> torch.Tensor:
+        """The torch-ops path: gather the padded blocks, mask the padding, bf16 matmuls (eager arithmetic)."""
+        n, kv_heads, _, head_dim = self.q.shape
+        kv_len = max(self.lengths)
+        shape = (n, self.max_blocks * self.block_size, kv_heads, head_dim)
+        blocks = self.tables.view(-1)
+        k = self.k.view(-1, self.block_size, kv_heads, head_dim).index_select(0, blocks)
+        v = self.v.view(-1, self.block_size, kv_heads, head_dim).index_select(0, blocks)
+        k = k.view(shape)[:, :kv_len].transpose(1, 2)
+        v = v.view(shape)[:, :kv_len].transpose(1, 2)
+        mask = torch.zeros(n, 1, 1, kv_len, dtype=BF16)
+        for i, length in enumerate(self.lengths):
+            mask[i, ..., length:] = float("-inf")
+        return decode_attention(self.q, k, v, mask, self.scale)
+
+    def exact(self) -> torch.Tensor:
+        """fp64 attention of each sequence over its own keys."""
+        out = torch.empty(self.q.shape, dtype=torch.float64)
+        for i, length in enumerate(self.lengths):
+            slots = torch.tensor([int(self.tables[i, t // self.block_size]) * self.block_size + t % self.block_size
+                                  for t in range(length)])
+            k = self.k[slots].double().transpose(0, 1)  # [KVH, L, D]
+            v = self.v[slots].double().transpose(0, 1)
+            probs = torch.softmax(self.q[i].double() @ k.transpose(1, 2) * self.scale, dim=-1)  # [KVH, G, L]
+            out[i] = probs @ v
+        return out
+
+    def native(self) -> torch.Tensor:
+        kernels = load_native_kernels(self.q.shape[-1], self.q.shape[2])
+        assert kernels is not None
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        return kernels.decode(
+            self.q, self.k, self.v, self.tables, lengths, max(self.lengths), self.block_size, self.scale
+        )
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "head_dim", "block_size"),
+    [(3, 3, 64, 16), (2, 4, 128, 16), (1, 8, 64, 32), (4, 1, 32, 8)],
+)
+def test_kernel_matches_the_torch_ops_path(kv_heads: int, group: int, head_dim: int, block_size: int) -> None:
+    lengths = [1, block_size, block_size + 1, 3 * block_size, 57, 200, 333, 2]
+    batch = PagedBatch(lengths, kv_heads, group, head_dim, block_size)
+    native, ops, exact = batch.native(), batch.torch_ops(), batch.exact()
+    assert native.shape == ops.shape and native.dtype == BF16
+    # Both round scores and probabilities to bf16 the same way but sum in different orders, so
+    # they are compared by their error against fp64 attention: the kernel's is no larger.
+    native_error = (native.double() - exact).abs()
+    ops_error = (ops.double() - exact).abs()
+    assert native_error.max() <= 1.5 * ops_error.max() + 1e-3
+    assert native_error.mean() <= 1.2 * ops_error.mean() + 1e-5
+    assert native_error.max() < 0.02  # outputs are O(1): a wrong key or block would be off by ~0.1-1
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "head_dim", "scale"), [(3, 3, 64, None), (2, 4, 128, None), (1, 2, 80, 0.3)]
+)
+@pytest.mark.parametrize(("start", "t"), [(0, 300), (37, 90), (200, 1)])
+def test_prefill_softmax_matches_the_torch_ops_path(
+    kv_heads: int, group: int, head_dim: int, scale: float | None, start: int, t: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk of t queries at positions start.. over start + t keys, in query tiles: native
+    softmax vs eager arithmetic, both against fp64 causal attention."""
+    monkeypatch.setattr(matmul_attention, "QUERY_TILE", 64)  # several tiles, a partial last one
+    g = torch.Generator().manual_seed(start + t + head_dim)
+    q = torch.randn(t, kv_heads * group, head_dim, generator=g).to(BF16)
+    k = torch.randn(kv_heads, start + t, head_dim, generator=g).to(BF16)
+    v = torch.randn(kv_heads, start + t, head_dim, generator=g).to(BF16)
+    scale = scale or head_dim**-0.5
+    mask = torch.full((t, start + t), float("-inf"), dtype=BF16).triu_(start + 1)
+    kernels = load_native_kernels(head_dim, group)
+    assert kernels is not None
+    native = prefill_attention(q, k, v, mask, scale, kernels)
+    ops = prefill_attention(q, k, v, mask, scale)
+    qh = q.double().view(t, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, t, D]
+    scores = qh @ k.double()[:, None].transpose(-1, -2) * scale + mask.double()
+    exact = (torch.softmax(scores, -1) @ v.double()[:, None]).permute(2, 0, 1, 3).reshape(t, -1, head_dim)
+    native_error, ops_error = (native.double() - exact).abs(), (ops.double() - exact).abs()
+    assert native_error.max() <= 1.5 * ops_error.max() + 1e-3
+    assert native_error.mean() <= 1.2 * ops_error.mean() + 1e-5
+    assert (native == ops).float().mean() > 0.5  # mostly the very same bf16 numbers
+
+
+@needs_compiler
+def test_kernels_refuse_a_geometry_they_were_not_built_for() -> None:
+    batch = PagedBatch([5, 9], 2, 2, 32, 16)
+    kernels = load_native_kernels(64, 2)
+    assert kernels is not None
+    lengths = torch.tensor(batch.lengths, dtype=torch.long)
+    with pytest.raises(ValueError, match="head_dim 64"):
+        kernels.decode(batch.q, batch.k, batch.v, batch.tables, lengths, 9, 16, batch.scale)
+
+
+@needs_compiler
+def test_kernels_are_built_once_per_machine(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
+    load_native_kernels.cache_clear()
+    try:
+        first = load_native_kernels(64, 3)
+        assert first is not None and first.path.parent == tmp_path / "kernels"
+        built = first.path.stat().st_mtime_ns
+        load_native_kernels.cache_clear()  # a new process: finds the library instead of compiling again
+        again = load_native_kernels(64, 3)
+        assert again is not None and again.path == first.path and again.path.stat().st_mtime_ns == built
+        assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.path.name]  # no temporary files left
+    finally:
+        load_native_kernels.cache_clear()
+
+
+@needs_compiler
+def test_loading_the_kernel_keeps_subnormal_floats(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library linked with -ffast-math would switch the whole process to flush-to-zero on load."""
+    monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
+    load_native_kernels.cache_clear()
+    try:
+        assert load_native_kernels(48, 1) is not None  # a fresh build, loaded now
+        tiny = torch.tensor([1e-38], dtype=torch.float32)
+        assert (tiny / 1000).item() != 0.0  # still a subnormal, not flushed to zero
+    finally:
+        load_native_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("compiler", ["no-such-compiler", "false"], ids=["missing", "failing"])
+def test_without_a_working_compiler_attention_stays_on_torch_ops(
+    compiler: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", compiler)
+    load_native_kernels.cache_clear()
+    try:
+        assert load_native_kernels(64, 3) is None
+        assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
+    finally:
+        load_native_kernels.cache_clear()
+
+
+def test_a_second_openmp_runtime_turns_the_kernel_off(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch's OpenMP is not libgomp, kernels built with -fopenmp would start threads of their own."""
+    monkeypatch.setattr(native_kernels, "loaded_libgomp_paths", lambda: set())
+    load_native_kernels.cache_clear()
+    try:
+        assert load_native_kernels(64, 3) is None
+    finally:
+        load_native_kernels.cache_clear()

@@ -1,0 +1,326 @@
+"""PagedModelRunner: packed, paged forwards equal the model's own forward.
+
+Tiny random-weight models (2 layers, hidden 64) built from configs: same code path as the
+real model, milliseconds per step.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from tokenflow.errors import ModelLoadError
+from tokenflow.kv.block_pool import BlockPool
+from tokenflow.kv.kv_cache import KVCache
+from tokenflow.runtime.attention import matmul as matmul_attention
+from tokenflow.runtime.attention.paged import UnsupportedAttentionFeature
+from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    initializer_range=0.1,  # peaked logits: greedy argmax has clear margins
+)
+BLOCK = 4
+
+MODELS: dict[str, Callable[[], PreTrainedModel]] = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+    "llama-mha": lambda: LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_key_value_heads": 4})),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=16)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None)),
+}
+
+
+def build(name: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    torch.manual_seed(0)
+    return MODELS[name]().to(dtype).eval()
+
+
+def make_runner(
+    model: PreTrainedModel, num_blocks: int = 96, *, native_kernels: bool = True
+) -> tuple[PagedModelRunner, BlockPool]:
+    dtype = next(model.parameters()).dtype
+    cache = KVCache.for_model(model.config, num_blocks=num_blocks, block_size=BLOCK, dtype=dtype)
+    return PagedModelRunner(model, cache, native_kernels=native_kernels), BlockPool(num_blocks, BLOCK)
+
+
+class Seq:
+    """A sequence as a test scheduler sees it: its tokens, how many are cached, its blocks."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = list(tokens)
+        self.cached = 0
+        self.blocks: list[int] = []
+
+    def chunk(self, pool: BlockPool, n: int) -> SeqChunk:
+        end = min(self.cached + n, len(self.tokens))
+        self.blocks += pool.allocate(pool.blocks_needed(end) - len(self.blocks))
+        c = SeqChunk(self.tokens[self.cached : end], self.cached, list(self.blocks), end == len(self.tokens))
+        self.cached = end
+        return c
+
+
+def reference_logits(ref: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return ref(torch.tensor([tokens])).logits[0].float()  # [len, vocab]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_mixed_batch_matches_model_forward(name: str) -> None:
+    model = build(name)
+    ref = copy.deepcopy(model)
+    runner, pool = make_runner(model)
+    g = torch.Generator().manual_seed(1)
+    full = {
+        k: torch.randint(0, 256, (n,), generator=g).tolist() for k, n in (("long", 37), ("a", 6), ("b", 11))
+    }
+    # Teacher forcing: every sequence already "knows" its future tokens, so each step's sampled row
+    # can be compared with the reference forward over the whole sequence.
+    seqs = {"long": Seq(full["long"][:37]), "a": Seq(full["a"][:3]), "b": Seq(full["b"][:5])}
+    refs = {k: reference_logits(ref, v) for k, v in full.items()}
+
+    # step 1: short prompts whole, first chunk of the long one (not sampled)
+    plan = [("a", 8), ("long", 10), ("b", 8)]
+    for step in range(20):
+        chunks = [seqs[k].chunk(pool, n) for k, n in plan]
+        logits = runner.execute(chunks)
+        sampled = [(k, c) for (k, _), c in zip(plan, chunks) if c.sample]
+        assert logits.shape == (len(sampled), 256) and logits.dtype == torch.float32
+        for row, (k, c) in zip(logits, sampled):
+            want = refs[k][c.start_pos + len(c.token_ids) - 1]
+            torch.testing.assert_close(row, want, atol=1e-4, rtol=1e-4, msg=f"{name} step {step} seq {k}")
+            if len(seqs[k].tokens) < len(full[k]):
+                seqs[k].tokens.append(full[k][len(seqs[k].tokens)])  # next decode token
+        plan = [(k, 10 if k == "long" else 1) for k in ("b", "long", "a") if seqs[k].cached < len(full[k])]
+        if not plan:
+            break
+    assert seqs["long"].cached == 37 and seqs["b"].cached == 11
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch-ops", "native-decode"])
+@pytest.mark.parametrize("name", ["llama", "llama-mha", "qwen3"])
+def test_bf16_cpu_kernels_is_transformers_eager_arithmetic(
+    name: str, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 on CPU attends with bf16 matmuls: the same numbers as transformers' eager attention.
+
+    With the native kernels the arithmetic is the same but fp32 sums run in another order and
+    exp is another implementation: logits within a few bf16 roundings of eager's, same greedy token.
+    """
+    monkeypatch.setattr(matmul_attention, "QUERY_TILE", 4)  # chunks of 5-10 tokens span several tiles
+    model = build(name, torch.bfloat16)
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    runner, pool = make_runner(model, native_kernels=native)
+    assert runner.matmul_attention and (runner.native is not None) == native
+    if not native:
+        assert runner.last_self_check_error == 0.0
+    g = torch.Generator().manual_seed(4)
+    full = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (29, 7, 16)]
+    refs = [reference_logits(ref, tokens) for tokens in full]
+    seqs = [Seq(full[0][:29]), Seq(full[1][:5]), Seq(full[2][:9])]
+    compared = 0
+    for _ in range(12):  # chunks of up to 10 at growing offsets, next to decodes of different lengths
+        active = [i for i, s in enumerate(seqs) if s.cached < len(full[i])]
+        if not active:
+            break
+        chunks = [seqs[i].chunk(pool, 10) for i in active]
+        logits = runner.execute(chunks)
+        for row, (i, c) in zip(logits, [(i, c) for i, c in zip(active, chunks) if c.sample]):
+            expected = refs[i][c.start_pos + len(c.token_ids) - 1]
+            where = f"{name} seq {i} at {c.start_pos}"
+            if native:
+                assert (row.float() - expected.float()).norm() <= 2e-2 * expected.float().norm(), where
+                assert row.argmax() == expected.argmax(), where
+            else:
+                assert torch.equal(row, expected), where
+            compared += 1
+            if len(seqs[i].tokens) < len(full[i]):
+                seqs[i].tokens.append(full[i][len(seqs[i].tokens)])
+    assert compared == 12 and all(s.cached == len(t) for s, t in zip(seqs, full))  # 1 + 3 + 8 rows
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+def test_greedy_matches_generate(name: str) -> None:
+    model = build(name)
+    ref = copy.deepcopy(model)
+    runner, pool = make_runner(model)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
+    new = 10
+    expected = []
+    for p in prompts:
+        out = ref.generate(
+            torch.tensor([p]), do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=0
+        )
+        expected.append(out[0, len(p) :].tolist())
+
+    seqs = [Seq(p) for p in prompts]
+    generated: list[list[int]] = [[] for _ in prompts]
+    while any(len(x) < new for x in generated):
+        active = [i for i in range(len(seqs)) if len(generated[i]) < new]
+        chunks = [seqs[i].chunk(pool, 8) for i in active]  # prefill in chunks of 8, decodes of 1
+        logits = runner.execute(chunks)
+        it = iter(logits.argmax(-1).tolist())
+        for i, c in zip(active, chunks):
+            if c.sample:
+                tok = next(it)
+                generated[i].append(tok)
+                seqs[i].tokens.append(tok)
+    assert generated == expected
+    for s in seqs:
+        pool.free(s.blocks)
+    assert pool.num_used == 0
+
+
+def test_bf16_close_to_fp32() -> None:
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        runner, pool = make_runner(build("llama", dtype))
+        g = torch.Generator().manual_seed(3)
+        seqs = [Seq(torch.randint(0, 256, (n,), generator=g).tolist()) for n in (5, 13, 1)]
+        out = []
+        for _ in range(4):  # chunks of 4, decodes of 1, every last row sampled
+            chunks = [s.chunk(pool, 4) for s in seqs if s.cached < len(s.tokens)]
+            out.append(
+                runner.execute([SeqChunk(c.token_ids, c.start_pos, c.block_table, True) for c in chunks])
+            )
+            for s in seqs:
+                if s.cached == len(s.tokens) and len(s.tokens) < 16:
+                    s.tokens.append(len(s.tokens))  # keep decoding
+        runs[dtype] = torch.cat(out)
+    fp32, bf16 = runs[torch.float32], runs[torch.bfloat16]
+    assert ((bf16 - fp32).norm() / fp32.norm()).item() < 3e-2
+    assert (bf16.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.8
+
+
+def test_no_sampled_rows_and_bad_chunks() -> None:
+    runner, pool = make_runner(build("llama"))
+    seq = Seq(list(range(10)))
+    first = seq.chunk(pool, 4)
+    assert not first.sample
+    assert runner.execute([first]).shape == (0, 256)
+    with pytest.raises(ValueError, match="cannot hold"):
+        runner.execute([SeqChunk([1, 2, 3], 4, first.block_table[:1], True)])
+    with pytest.raises(ValueError):
+        runner.execute([])
+
+
+def test_model_is_bound_to_the_runner() -> None:
+    model = build("llama")
+    make_runner(model)
+    assert model.config._attn_implementation == "tokenflow_paged"
+    with pytest.raises(RuntimeError, match="PagedModelRunner"):
+        model(torch.tensor([[1, 2, 3]]))
+
+
+def test_refuses_sliding_window() -> None:
+    model = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=4))
+    with pytest.raises(ModelLoadError, match=r"mistral.*sliding"):
+        make_runner(model)
+    qwen2 = Qwen2ForCausalLM(
+        Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    )
+    with pytest.raises(ModelLoadError, match=r"qwen2.*sliding"):
+        make_runner(qwen2)
+
+
+def test_window_wider_than_max_model_len_is_dense_and_guarded() -> None:
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=16)).eval()
+    cache = KVCache.for_model(model.config, num_blocks=16, block_size=BLOCK, dtype=torch.float32)
+    runner = PagedModelRunner(model, cache, max_model_len=16)  # self-check passes: window masks nothing
+    pool = BlockPool(16, BLOCK)
+    with pytest.raises(UnsupportedAttentionFeature, match="sliding_window=16"):
+        runner.execute([Seq(list(range(20))).chunk(pool, 20)])  # past the window: refused, not wrong
+
+
+def test_refuses_unknown_attention_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that sends the attention an argument it cannot honour fails the self-check."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaAttention.forward
+
+    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return original(self, *args, softcap=30.0, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", forward)
+    model = build("llama")
+    with pytest.raises(ModelLoadError, match="softcap"):
+        make_runner(model)
+    assert model.config._attn_implementation == "sdpa"  # left usable by the `hf` backend
+
+
+def test_refuses_gemma2() -> None:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(**{**COMMON, "head_dim": 16})
+    with pytest.raises(ModelLoadError, match="gemma2"):
+        make_runner(Gemma2ForCausalLM(cfg))
+
+
+def test_cache_must_match_model() -> None:
+    model = build("llama")
+    wrong = KVCache(
+        num_layers=2,
+        num_kv_heads=4,
+        head_dim=16,
+        num_blocks=8,
+        block_size=4,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    with pytest.raises(ModelLoadError, match="geometry"):
+        PagedModelRunner(model, wrong)
+    bf16 = KVCache.for_model(model.config, num_blocks=8, block_size=4, dtype=torch.bfloat16)
+    with pytest.raises(ModelLoadError, match="must match"):
+        PagedModelRunner(model, bf16)
+
+
+@pytest.mark.parametrize("slack", [0, 6, 1000])
+def test_decode_groups_match_model_forward(slack: int) -> None:
+    """Decodes of very different context lengths, in one group or split into several."""
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    runner, pool = make_runner(model)
+    runner.decode_group_slack = slack
+    g = torch.Generator().manual_seed(4)
+    full = [torch.randint(0, 256, (n + 3,), generator=g).tolist() for n in (2, 9, 17, 30, 31, 9)]
+    seqs = [Seq(f[:-3]) for f in full]
+    refs = [reference_logits(ref, f) for f in full]
+    runner.execute([s.chunk(pool, 64) for s in seqs])  # prefill everything
+    for step in range(3):
+        for s, f in zip(seqs, full):
+            s.tokens.append(f[len(s.tokens)])
+        chunks = [s.chunk(pool, 1) for s in seqs]
+        logits = runner.execute(chunks)
+        for row, c, want_all in zip(logits, chunks, refs):
+            want = want_all[c.start_pos]
+            torch.testing.assert_close(row, want, atol=1e-4, rtol=1e-4, msg=f"slack {slack} step {step}")
+
+
+def test_refuses_position_dependent_rope() -> None:
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters=rope))
+    with pytest.raises(ModelLoadError, match="dynamic"):
+        make_runner(model)

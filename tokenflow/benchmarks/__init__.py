@@ -1,0 +1,1 @@
+"""The `tokenflow bench*` commands: each prints a table and writes JSON."""

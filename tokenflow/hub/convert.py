@@ -1,0 +1,158 @@
+"""GGUF → Hugging Face folder (config, fp32 safetensors, tokenizer, chat template).
+
+transformers can read a GGUF directly, but dequantising it takes tens of
+seconds on every load; converting once into a normal folder makes every later
+load a plain safetensors read. The chat template travels in the GGUF's metadata
+and is checked after saving, because chat requests are useless without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from tokenflow.errors import ModelLoadError
+from tokenflow.hub.progress import StageBar
+
+__all__ = ("convert_gguf", "gguf_chat_template", "sha256_file")
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+log = logging.getLogger(__name__)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks (GGUFs are hundreds of MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gguf_chat_template(gguf_path: Path) -> str | None:
+    """The `tokenizer.chat_template` string stored in the GGUF, if any."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
+    if field is None:
+        return None
+    value = field.contents()
+    if isinstance(value, bytes):
+        value = value.decode("utf-8")
+    return value if isinstance(value, str) and value else None
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, bar: StageBar) -> None:
+    """Load `gguf_path` with transformers (dequantised to fp32) and save it as an HF folder in `out_dir`.
+
+    Uses the bar's "convert" and "save" stages. Raises ModelLoadError when
+    transformers cannot read the file or the saved tokenizer lost its chat template.
+    """
+    with _quiet_transformers(not bar.enabled):
+        _convert(gguf_path, out_dir, bar)
+
+
+def _convert(gguf_path: Path, out_dir: Path, bar: StageBar) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    with bar.stage("convert"):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder,
+                gguf_file=name,
+                dtype=torch.float32,
+                quantization_config=GgufConfig(dequantize=True),
+            )
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"transformers could not load the GGUF file {gguf_path}: {exc}. "
+                "Only GGUF architectures that transformers supports can be converted; "
+                "pass a Hugging Face model folder instead."
+            ) from exc
+        _detach_quantizer(model, torch.float32)
+        template = tokenizer.chat_template or gguf_chat_template(gguf_path)
+        if template and not tokenizer.chat_template:
+            tokenizer.chat_template = template
+
+    with bar.stage("save"):
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        del model
+        if template:
+            _ensure_chat_template(out_dir, template)
+
+
+def _detach_quantizer(model: Any, dtype: Any) -> None:
+    """Make the dequantised model saveable as a plain fp32 checkpoint.
+
+    With `dequantize=True` transformers drops its GGUF quantizer itself; older
+    loader paths leave it attached although every weight is already dense, and
+    `save_pretrained` then refuses. Only detach it after checking that no weight
+    is still packed, so a packed model can never be saved as garbage.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    packed = [name for name, param in model.named_parameters() if param.dtype != dtype]
+    if packed:
+        raise ModelLoadError(
+            f"transformers kept {len(packed)} GGUF weights packed (e.g. {packed[0]}); tokenflow can only "
+            "convert fully dequantised models."
+        )
+    quantizer.remove_quantization_config(model)
+
+
+def _ensure_chat_template(out_dir: Path, template: str) -> None:
+    """Reload the saved tokenizer and make sure the template survived; write it out if not."""
+    from transformers import AutoTokenizer
+
+    if AutoTokenizer.from_pretrained(out_dir).chat_template == template:
+        return
+    log.warning("saved tokenizer lost its chat template; writing %s explicitly", CHAT_TEMPLATE_FILE)
+    (out_dir / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+    if AutoTokenizer.from_pretrained(out_dir).chat_template != template:
+        raise ModelLoadError(
+            f"the converted tokenizer in {out_dir} does not keep the GGUF's chat template; "
+            "this transformers version saves tokenizers differently than tokenflow expects."
+        )
+
+
+@contextmanager
+def _quiet_transformers(quiet: bool) -> Iterator[None]:
+    """Silence transformers' own progress bars while converting, when the caller asked for no progress.
+
+    Its "Loading weights"/"Writing model shards" bars obey a process-wide switch,
+    which is restored afterwards; the GGUF dequantisation bar is created
+    unconditionally, so its module-level `tqdm` is swapped for a disabled one
+    (skipped if a transformers version moves it).
+    """
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover - layout changed
+        gguf_utils = None
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is not None:
+        gguf_utils.tqdm = partial(original, disable=True)
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_utils.tqdm = original
+        if was_enabled:
+            hf_logging.enable_progress_bar()

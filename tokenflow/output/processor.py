@@ -1,0 +1,120 @@
+"""Turns sampled tokens into text chunks and decides when a request is done.
+
+Runs on the event loop after every step (and is cheap per token): an
+incremental detokenizer per request, a stop-string matcher that holds back
+text that may start a stop string, and the stop / length checks. The text a
+request returns is by construction the concatenation of its chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from tokenflow.output.detokenizer import IncrementalDetokenizer
+from tokenflow.output.stops import StopStringMatcher
+from tokenflow.params import Chunk, TokenLogprob, Usage
+from tokenflow.request import Request
+from tokenflow.stages.response_tier import RECORD
+
+__all__ = ("OutputProcessor",)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def prepare(self, request: Request) -> None:
+        """Attach the per-request detokenizer and stop matcher before it runs."""
+        params = request.params
+        request.extras["detokenizer"] = IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids=request.prompt_token_ids or (),
+            skip_special_tokens=params.skip_special_tokens,
+        )
+        request.extras["stops"] = (
+            StopStringMatcher(params.stop, include_stop=params.include_stop_str_in_output) if params.stop else None
+        )
+
+    def append(self, request: Request, token_id: int, logprob: TokenLogprob | None) -> bool:
+        """Record one sampled token; emit its chunk. Returns True when the request finished."""
+        params = request.params
+        request.output_token_ids.append(token_id)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        num_out = len(request.output_token_ids)
+
+        finish: str | None = None
+        text = ""
+        if num_out > params.min_tokens and (
+            token_id in request.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
+        ):
+            finish = "stop"
+            request.stop_reason = token_id if token_id in request.stop_token_ids else None
+        else:
+            text = request.extras["detokenizer"].push(token_id)
+            stops: StopStringMatcher | None = request.extras["stops"]
+            if stops is not None:
+                text, matched = stops.feed(text)
+                if matched is not None:
+                    finish = "stop"
+                    request.stop_reason = matched
+        if finish is None and (num_out >= request.max_tokens or request.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish is not None:
+            tail, matched = self._flush(request, stopped_by_string=isinstance(request.stop_reason, str))
+            text += tail
+            if matched is not None:
+                finish, request.stop_reason = "stop", matched
+        self._emit(request, text, [token_id], logprob, finish)
+        return finish is not None
+
+    def finish_length(self, request: Request) -> None:
+        """End a request whose backend stopped at its token budget without a final token."""
+        tail, matched = self._flush(request, stopped_by_string=False)
+        if matched is not None:
+            request.stop_reason = matched
+        self._emit(request, tail, [], None, "stop" if matched is not None else "length")
+
+    def finish_aborted(self, request: Request) -> None:
+        """End a request that was cancelled or timed out (no flush of held text)."""
+        if request.finish_reason is None:
+            request.finish_reason = "abort"
+
+    def _flush(self, request: Request, *, stopped_by_string: bool) -> tuple[str, str | None]:
+        """Text held back at the end; and the stop string if one completes only in that tail."""
+        if stopped_by_string:
+            return "", None  # text after a stop string is dropped
+        tail = request.extras["detokenizer"].flush()
+        stops: StopStringMatcher | None = request.extras["stops"]
+        if stops is None:
+            return tail, None
+        tail, matched = stops.feed(tail)
+        return (tail, matched) if matched is not None else (tail + stops.flush(), None)
+
+    def _emit(
+        self, request: Request, text: str, token_ids: list[int], logprob: TokenLogprob | None, finish: str | None
+    ) -> None:
+        chunk = Chunk(text=text, token_ids=token_ids, logprobs=[logprob] if logprob is not None else None)
+        if finish is not None:
+            request.finish_reason = finish
+            chunk.finish_reason = finish  # type: ignore[assignment]
+            chunk.stop_reason = request.stop_reason
+            chunk.usage = usage_of(request)
+        record = request.extras.get(RECORD)
+        if record is not None:  # the response cache keeps its own copy (the collector merges chunks in place)
+            record.append(msgspec.structs.replace(chunk, token_ids=list(chunk.token_ids)))
+        request.collector.put(chunk)
+
+
+def usage_of(request: Request) -> Usage:
+    return Usage(
+        prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids),
+        cached_tokens=request.num_cached_tokens,
+    )

@@ -1,0 +1,83 @@
+"""Load an HF causal LM and its fast tokenizer onto the chosen device and dtype."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenflow.config import EngineConfig
+from tokenflow.errors import ModelLoadError
+from tokenflow.runtime.cpu.malloc_tuning import keep_freed_memory
+
+__all__ = ("LoadedModel", "load_model", "resolve_device", "resolve_dtype")
+
+log = logging.getLogger("tokenflow")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} was asked for but CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is fp32 on CPU (the exact path; bf16 is opt-in there) and bf16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+
+
+def load_model(path: Path, config: EngineConfig) -> LoadedModel:
+    """Blocking: run in a worker thread."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if device.type == "cpu" and config.cpu_keep_freed_memory:
+        keep_freed_memory()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as exc:
+        raise ModelLoadError(f"could not load the model from {path}: {exc}") from exc
+    if not getattr(tokenizer, "is_fast", False):
+        raise ModelLoadError(f"{path}: tokenflow needs a fast (Rust) tokenizer (tokenizer.json)")
+    model.to(device).eval()
+    model.requires_grad_(False)
+
+    model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    max_model_len = min(config.max_model_len or model_len, model_len)
+    if config.attention == "sliding" and config.max_model_len:
+        max_model_len = config.max_model_len  # distances stay within the window: past the trained context is fine
+    elif config.max_model_len and config.max_model_len > model_len:
+        log.warning("max_model_len=%d is beyond the model's %d; using %d", config.max_model_len, model_len, model_len)
+    eos: set[int] = set()
+    for source in (model.generation_config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            eos.add(source)
+        elif source:
+            eos.update(int(t) for t in source)
+    vocab_size = int(model.config.vocab_size)
+    return LoadedModel(model, tokenizer, device, dtype, max_model_len, frozenset(eos), vocab_size)

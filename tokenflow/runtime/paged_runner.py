@@ -1,0 +1,456 @@
+"""The forward pass of the `paged` backend: one HF forward per step over a packed batch.
+
+The model stays an unmodified transformers model. The runner registers tokenflow's attention
+(`tokenflow.runtime.attention.paged`) and switches the model to it, then each `execute` packs the
+step's chunks into `input_ids [1, total_tokens]` with per-token `position_ids`, builds the
+step's `PagedAttentionMetadata` once (slot mapping, block index tensors, masks) and calls
+the model with `use_cache=False` (otherwise it silently builds its own `DynamicCache`),
+`logits_to_keep` = the packed rows to sample (so the vocab projection runs on those rows only)
+and the metadata as an extra keyword, which transformers hands down to every layer's attention.
+
+This relies on a convention inside transformers, not a documented API, so the supported
+transformers range is pinned in pyproject and every runner checks itself at construction
+(`self_check`) against the model's own attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenflow.errors import ModelLoadError
+from tokenflow.kv.kv_cache import KVCache
+from tokenflow.runtime.attention.paged import (
+    ATTENTION_NAME,
+    META_KWARG,
+    DecodeGroup,
+    PagedAttentionMetadata,
+    PrefillSegment,
+    UnsupportedAttentionFeature,
+    register,
+)
+from tokenflow.runtime.attention.sliding import SlidingSegment, build_segment
+from tokenflow.runtime.attention.topk import RECENT_BLOCKS, TopkDecode
+from tokenflow.runtime.cpu.native_kernels import load_native_kernels
+
+__all__ = ("PagedModelRunner", "SeqChunk", "check_model_supported")
+
+# RoPE types that depend on the batch's largest position: wrong when sequences are packed.
+_UNSUPPORTED_ROPE = frozenset({"dynamic", "longrope"})
+DECODE_GROUP_SLACK = 256  # tokens; see PagedModelRunner.decode_group_slack
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """The work of one sequence in one step."""
+
+    token_ids: list[int]  # tokens to compute now: a prefill chunk or one decode token
+    start_pos: int  # this sequence's tokens already in the KV cache (positions start_pos .. +len-1)
+    block_table: list[int]  # the sequence's blocks, covering at least start_pos + len(token_ids) tokens
+    sample: bool  # whether the logits of the last token are wanted
+    num_logits: int = 1  # with `sample`: logits of this many last tokens (a draft being verified)
+
+
+@dataclass(slots=True)
+class PackedStep:
+    """Model inputs for one step (what `execute` feeds to the model)."""
+
+    input_ids: torch.Tensor  # [1, num_tokens] long
+    position_ids: torch.Tensor  # [1, num_tokens] long
+    logits_to_keep: torch.Tensor  # [num_sampled] long: packed rows to project, in chunk order
+    meta: PagedAttentionMetadata
+
+
+def check_model_supported(model: torch.nn.Module, max_model_len: int | None = None) -> None:
+    """Refuse (ModelLoadError) models whose attention needs features paged attention lacks.
+
+    Config inspection only; `PagedModelRunner.self_check` catches what configs do not say.
+    """
+    config = model.config
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    mtype = getattr(cfg, "model_type", type(model).__name__)
+
+    def refuse(feature: str) -> ModelLoadError:
+        return ModelLoadError(f"model type '{mtype}' uses {feature}, which the paged backend lacks")
+
+    if not getattr(cfg, "is_causal", True) or getattr(cfg, "is_encoder_decoder", False):
+        raise refuse("non-causal attention")
+    window = getattr(cfg, "sliding_window", None)  # Qwen2/3 null it unless use_sliding_window
+    limit = max_model_len or getattr(cfg, "max_position_embeddings", None)
+    if window is not None and (limit is None or window < limit):
+        raise refuse(f"sliding-window attention (sliding_window={window})")
+    layer_types = getattr(cfg, "layer_types", None) or ()
+    odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if odd:  # sliding layers are judged by the window above
+        raise refuse(f"layer types {odd}")
+    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
+        if getattr(cfg, name, None) is not None:
+            raise refuse(f"attention logit softcapping ({name})")
+    if any(hasattr(m, "sinks") and getattr(m, "layer_idx", None) is not None for m in model.modules()):
+        raise refuse("attention sinks")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    ropes = rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    for r in ropes:
+        rtype = (r or {}).get("rope_type", (r or {}).get("type"))
+        if rtype in _UNSUPPORTED_ROPE:
+            raise refuse(f"'{rtype}' RoPE scaling")
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise refuse("a forward without `logits_to_keep`")
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        raise refuse("attention that does not go through transformers' AttentionInterface")
+
+
+def _rope_inv_freq(model: torch.nn.Module) -> torch.Tensor:
+    """The RoPE frequencies of `model` (to re-rotate queries for sink keys); refuses models without
+    plain RoPE, whose positions sliding attention cannot move."""
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb") and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+            if float(getattr(module, "attention_scaling", 1.0)) != 1.0:
+                raise ModelLoadError("sliding attention needs RoPE without attention scaling")
+            return module.inv_freq.detach().float().clone()
+    raise ModelLoadError(f"{type(model).__name__} has no rotary embedding: sliding attention needs RoPE")
+
+
+@contextlib.contextmanager
+def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Temporarily run `model` with another attention implementation."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+class PagedModelRunner:
+    """Runs packed steps of an HF causal LM over a `KVCache`.
+
+    Construction switches `model` to paged attention for good (its own `forward`/`generate`
+    then need a runner step's metadata) and runs `self_check`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        *,
+        max_model_len: int | None = None,
+        self_check: bool = True,
+        window: int | None = None,
+        sinks: int = 0,
+        topk_budget: int | None = None,
+        native_kernels: bool = True,
+    ) -> None:
+        check_model_supported(model, max_model_len)
+        geometry = KVCache.geometry(model.config)
+        if geometry != (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim):
+            ours = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim)
+            raise ModelLoadError(
+                f"KV cache geometry (layers, kv_heads, head_dim)={ours} does not match the model's {geometry}"
+            )
+        param = next(model.parameters())
+        if param.dtype != kv_cache.dtype or param.device != kv_cache.device:
+            raise ModelLoadError(
+                f"model is {param.dtype} on {param.device}, "
+                f"the KV cache is {kv_cache.dtype} on {kv_cache.device}: they must match"
+            )
+        self.model = model.eval()
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.dtype = kv_cache.dtype
+        self.device = kv_cache.device
+        self.num_layers = kv_cache.num_layers
+        # bf16 on CPU: attention as bf16 matmuls (see tokenflow.runtime.attention.matmul)
+        self.matmul_attention = kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu"
+        # ... with C kernels where they build: decodes over the cache itself, prefill softmax in one pass
+        # (tokenflow.runtime.cpu.native_kernels)
+        group = model.config.num_attention_heads // kv_cache.num_kv_heads
+        native = native_kernels and self.matmul_attention
+        self.native = load_native_kernels(kv_cache.head_dim, group) if native else None
+        # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
+        self.window = window
+        self.sinks = sinks
+        self.rope_inv_freq = _rope_inv_freq(model) if window is not None else None
+        # attention="topk": decodes whose context exceeds the budget read only their best blocks.
+        self.topk_budget = topk_budget
+        if topk_budget is not None and not kv_cache.track_key_bounds:
+            raise ModelLoadError("attention='topk' needs a KV cache that tracks per-block key bounds")
+        # Decodes whose contexts differ by at most this many tokens share one padded gather + SDPA;
+        # farther apart, the padding would cost more than another (small) attention call. Matmul
+        # attention pays more per call than per padded key: all decodes in one group (measured with
+        # 16 decodes over 50-650 keys: 44.9 ms a step, 53.3 with this slack, 49.7 with SDPA).
+        self.decode_group_slack = math.inf if self.matmul_attention else DECODE_GROUP_SLACK
+        # Relative L2 error allowed by self_check. Correct paged attention measured 0 in bf16 and
+        # ~1e-7 in fp32 on CPU; a causal mask off by one token measured 3e-2 in bf16.
+        self.self_check_tolerance = 1e-4 if kv_cache.dtype == torch.float32 else 1e-2
+        self.last_self_check_error: float | None = None
+        previous = model.config._attn_implementation
+        self._reference_attention = "sdpa" if previous in (None, ATTENTION_NAME) else previous
+        # The self-check's reference: matmul attention is transformers' eager arithmetic (0 error there;
+        # against bf16 SDPA any other implementation differs by ~1e-2, as much as a real bug).
+        self._check_attention = "eager" if self.matmul_attention else self._reference_attention
+        register()
+        try:
+            model.set_attn_implementation(ATTENTION_NAME)
+            if model.config._attn_implementation != ATTENTION_NAME:
+                raise ModelLoadError(f"{type(model).__name__} refuses custom attention implementations")
+            if self_check:
+                self.self_check()
+        except Exception as e:
+            # Leave a refused model as it came, so that a caller can fall back to the `hf` backend.
+            model.set_attn_implementation(self._reference_attention)
+            if isinstance(e, ModelLoadError):
+                raise
+            raise ModelLoadError(f"cannot switch {type(model).__name__} to paged attention: {e}") from e
+
+    # ------------------------------------------------------------------ step
+    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        """One forward over `chunks`; returns float32 logits `[rows, vocab]`: `num_logits` rows per
+        sampling chunk, in chunk order."""
+        step = self.prepare(chunks, self.kv_cache)
+        return self._forward(step)
+
+    def _forward(self, step: PackedStep) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=step.input_ids,
+                position_ids=step.position_ids,
+                use_cache=False,
+                logits_to_keep=step.logits_to_keep,
+                **{META_KWARG: step.meta},
+            )
+        return out.logits[0].float()  # [num_sampled, vocab]
+
+    def prepare(self, chunks: Sequence[SeqChunk], kv_cache: KVCache) -> PackedStep:
+        """Pack `chunks` (decodes first, then prefill chunks) and build the step's metadata."""
+        if not chunks:
+            raise ValueError("execute() needs at least one chunk")
+        bs = self.block_size
+        decodes: list[int] = []
+        prefills: list[int] = []
+        sliding: list[int] = []
+        sparse: list[int] = []
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            if n == 0:
+                raise ValueError(f"chunk {i} has no tokens")
+            if c.start_pos < 0:
+                raise ValueError(f"chunk {i} has a negative start_pos")
+            if not 1 <= c.num_logits <= n:
+                raise ValueError(f"chunk {i} asks for the logits of {c.num_logits} of its {n} tokens")
+            if len(c.block_table) * bs < c.start_pos + n:
+                raise ValueError(
+                    f"chunk {i}: {len(c.block_table)} blocks of {bs} cannot hold {c.start_pos + n} tokens"
+                )
+            if self.window is not None and c.start_pos + n > self.window:
+                sliding.append(i)
+            elif self.topk_budget is not None and n == 1 and c.start_pos + 1 > self.topk_budget:
+                sparse.append(i)
+            else:
+                (decodes if n == 1 else prefills).append(i)
+
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        last_row = [0] * len(chunks)  # packed row of each chunk's last token
+
+        # Decodes: one row each, longest context first, cut into groups of similar length.
+        decodes.sort(key=lambda i: chunks[i].start_pos, reverse=True)
+        groups: list[DecodeGroup] = []
+        group: list[int] = []
+        for i in decodes:
+            c = chunks[i]
+            p = c.start_pos
+            if group and chunks[group[0]].start_pos - p > self.decode_group_slack:
+                groups.append(self._decode_group(chunks, group, len(ids) - len(group)))
+                group = []
+            group.append(i)
+            last_row[i] = len(ids)
+            ids.append(c.token_ids[0])
+            pos.append(p)
+            slots.append(c.block_table[p // bs] * bs + p % bs)
+        if group:
+            groups.append(self._decode_group(chunks, group, len(ids) - len(group)))
+        nd = len(ids)
+        max_context = chunks[decodes[0]].start_pos + 1 if decodes else 0
+
+        # Prefill chunks: contiguous rows each, attended segment by segment.
+        segments: list[PrefillSegment] = []
+        row = nd
+        for i in prefills:
+            c = chunks[i]
+            s = c.start_pos
+            t = len(c.token_ids)
+            e = s + t
+            ids.extend(c.token_ids)
+            pos.extend(range(s, e))
+            table = c.block_table
+            for b in range(s // bs, -(-e // bs)):  # slots block by block, not token by token
+                base = table[b] * bs - b * bs
+                slots.extend(range(base + max(s, b * bs), base + min(e, (b + 1) * bs)))
+            block_ids = None if s == 0 else torch.tensor(table[: -(-e // bs)], dtype=torch.long, device=self.device)
+            mask = None
+            if (s > 0 or self.matmul_attention) and self.native is None:  # the native softmax masks by position
+                # [t, e] additive: row i (position s + i) sees keys j <= s + i; two cheap ops
+                mask = torch.full((t, e), float("-inf"), dtype=self.dtype, device=self.device).triu_(s + 1)
+            segments.append(PrefillSegment(row, row + t, s, e, block_ids, mask))
+            row += t
+            last_row[i] = row - 1
+            max_context = max(max_context, e)
+
+        # Sliding-window chunks (context past the window): packed last, one segment each.
+        windowed: list[SlidingSegment] = []
+        for i in sliding:
+            c = chunks[i]
+            s, t = c.start_pos, len(c.token_ids)
+            ids.extend(c.token_ids)
+            pos.extend(range(s, s + t))
+            table = c.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(s, s + t))
+            assert self.window is not None
+            windowed.append(build_segment(row, s, t, table, bs, self.window, self.sinks, self.device))
+            row += t
+            last_row[i] = row - 1
+            max_context = max(max_context, min(s + t, self.window + self.sinks))
+
+        # Top-k decodes (context past the budget): one row each, packed last.
+        topk: list[TopkDecode] = []
+        for i in sparse:
+            c = chunks[i]
+            p = c.start_pos
+            ids.append(c.token_ids[0])
+            pos.append(p)
+            slots.append(c.block_table[p // bs] * bs + p % bs)
+            used = -(-(p + 1) // bs)
+            assert self.topk_budget is not None
+            topk.append(TopkDecode(
+                row=row, block_ids=torch.tensor(c.block_table[:used], dtype=torch.long, device=self.device),
+                context=p + 1, keep_blocks=max(self.topk_budget // bs, RECENT_BLOCKS + 1),
+                sink_blocks=-(-self.sinks // bs),
+            ))
+            last_row[i] = row
+            row += 1
+            max_context = max(max_context, p + 1)
+
+        keep: list[int] = []
+        for i, c in enumerate(chunks):
+            if c.sample:
+                keep.extend(range(last_row[i] - c.num_logits + 1, last_row[i] + 1))
+        meta = PagedAttentionMetadata(
+            kv_cache=kv_cache,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_tokens=len(ids),
+            max_context=max_context,
+            decodes=tuple(groups),
+            prefills=tuple(segments),
+            sliding=tuple(windowed),
+            rope_inv_freq=self.rope_inv_freq,
+            topk=tuple(topk),
+            matmul_attention=self.matmul_attention,
+            native=self.native,
+        )
+        return PackedStep(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+            position_ids=torch.tensor([pos], dtype=torch.long, device=self.device),
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+            meta=meta,
+        )
+
+    def _decode_group(self, chunks: Sequence[SeqChunk], members: list[int], q_start: int) -> DecodeGroup:
+        """Index tensors and padding mask of decodes `members` (longest context first)."""
+        bs = self.block_size
+        ctx = [chunks[i].start_pos + 1 for i in members]
+        kv_len = ctx[0]
+        max_blocks = -(-kv_len // bs)
+        flat: list[int] = []
+        for i, n_ctx in zip(members, ctx):
+            used = -(-n_ctx // bs)
+            flat.extend(chunks[i].block_table[:used])
+            if used < max_blocks:
+                flat.extend([0] * (max_blocks - used))  # padding: block 0's (finite) contents get masked
+        lengths = mask = None
+        if self.native is not None:  # the kernel reads each context's own length: no padding
+            lengths = torch.tensor(ctx, dtype=torch.long, device=self.device)
+        elif ctx[-1] != kv_len:
+            # Boolean (True = attend): as fast as an additive mask here, and one op to build.
+            ctx_t = torch.tensor(ctx, dtype=torch.long, device=self.device)  # [n]
+            seen = torch.arange(kv_len, device=self.device)[None, :] < ctx_t[:, None]  # [n, kv_len]
+            if self.matmul_attention:  # additive
+                seen = torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill_(~seen, float("-inf"))
+            mask = seen.view(len(members), 1, 1, kv_len)
+        return DecodeGroup(
+            q_start=q_start,
+            q_end=q_start + len(members),
+            block_ids=torch.tensor(flat, dtype=torch.long, device=self.device),
+            max_blocks=max_blocks,
+            kv_len=kv_len,
+            mask=mask,
+            lengths=lengths,
+        )
+
+    # ------------------------------------------------------------ self-check
+    def self_check(self) -> None:
+        """Compare paged logits with the model's own attention on a short mixed workload.
+
+        Two sequences over three steps in a private scratch cache: a first prefill chunk,
+        a second chunk at an offset next to a whole short prompt, then decodes with different
+        context lengths. Raises ModelLoadError when the model sends arguments paged attention
+        does not implement, bypasses it, or the logits differ beyond tolerance.
+        """
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randint(0, vocab, (11,), generator=gen).tolist()
+        b = torch.randint(0, vocab, (7,), generator=gen).tolist()
+        bs = self.block_size
+        need_a, need_b = -(-len(a) // bs), -(-len(b) // bs)
+        scratch = KVCache(
+            num_layers=self.num_layers,
+            num_kv_heads=self.kv_cache.num_kv_heads,
+            head_dim=self.kv_cache.head_dim,
+            num_blocks=need_a + need_b + 1,
+            block_size=bs,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        # Interleaved, reversed block ids so a wrong slot mapping cannot pass by luck.
+        table_a = list(range(need_a + need_b, 0, -1))[0::2][:need_a]
+        rest = [x for x in range(1, need_a + need_b + 1) if x not in table_a]
+        table_b = rest[:need_b]
+        steps = [
+            [SeqChunk(a[:6], 0, table_a, False), SeqChunk(b[:5], 0, table_b, True)],
+            [SeqChunk(b[5:6], 5, table_b, True), SeqChunk(a[6:10], 6, table_a, True)],
+            [SeqChunk(a[10:11], 10, table_a, True), SeqChunk(b[6:7], 6, table_b, True)],
+        ]
+        ours: list[torch.Tensor] = []
+        calls: list[int] = []
+        try:
+            for chunks in steps:
+                step = self.prepare(chunks, scratch)
+                step.meta.calls = calls
+                ours.append(self._forward(step))
+        except UnsupportedAttentionFeature as e:
+            raise ModelLoadError(f"{type(self.model).__name__}: {e}") from e
+        if sorted(set(calls)) != list(range(self.num_layers)) or len(calls) != len(steps) * self.num_layers:
+            raise ModelLoadError(
+                f"{type(self.model).__name__} did not route every layer's attention through paged attention "
+                f"(layers seen: {sorted(set(calls))})"
+            )
+        with _attention_implementation(self.model, self._check_attention), torch.inference_mode():
+            ref_a = self.model(torch.tensor([a]), use_cache=False).logits[0].float()  # [11, vocab]
+            ref_b = self.model(torch.tensor([b]), use_cache=False).logits[0].float()  # [7, vocab]
+        got = torch.cat(ours)  # rows: b4 | b5, a9 | a10, b6
+        want = torch.stack([ref_b[4], ref_b[5], ref_a[9], ref_a[10], ref_b[6]])
+        err = ((got - want).norm() / want.norm().clamp_min(1e-6)).item()
+        tol = self.self_check_tolerance
+        if not err <= tol:
+            raise ModelLoadError(
+                f"{type(self.model).__name__}: paged attention logits differ from the model's own "
+                f"(relative error {err:.2e} > {tol:.0e}); the model is not supported by the paged backend"
+            )
+        self.last_self_check_error = err

@@ -1,0 +1,289 @@
+"""The `batcher` stage: who runs each step.
+
+Step-level scheduling (the `paged` backend) follows one rule, as in vLLM v1:
+there are no prefill and decode phases; every step each running request's
+computed tokens catch up towards its known tokens within a token budget
+(`max_batch_tokens`) and a sequence budget (`max_num_seqs`). Running requests
+go first (a decode costs one token, a long prompt continues in chunks), then
+waiting requests are admitted in queue order (`queue_key`: priority with
+aging, then arrival) while budget and KV blocks last, and while KV use stays
+under the high watermark (above it new prefills wait, so running requests
+can grow). When blocks run out, the latest-arrived request of the lowest
+priority is preempted by recomputation (the request asking for blocks
+yields itself when it is that one: a worse-placed request never evicts a
+better one): its blocks are dropped and it rejoins the queue at its place,
+keeping its generated tokens; the sequence limit drops to what fit and
+grows back one per step once KV use is under the low watermark.
+
+With prefix caching, admission first asks the pool for the request's cached
+prefix (`match_prefix`): shared blocks need no compute and no new memory. A
+request whose prefix is still loading from the disk tier waits and the ones
+behind it go first, so the batcher prefers requests whose prefix is resident.
+
+With `speculative_tokens`, a decoding greedy request (while at most
+`speculative_max_seqs` run) gets a draft of guessed next tokens from n-gram
+lookup in its own context (`tokenflow.scheduler.ngram`), scheduled with
+its last token in the same chunk, when budget and free blocks allow.
+
+Static batching (the `hf` backend) takes a batch of waiting requests from one
+prompt-length bucket so padding stays small.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any
+
+from tokenflow.config import EngineConfig
+from tokenflow.errors import InvalidRequest, Overloaded
+from tokenflow.protocols import EngineContext, ScheduledChunk, StepPlan
+from tokenflow.request import Request, RequestStatus
+from tokenflow.scheduler.ngram import can_speculate, propose_draft
+
+__all__ = ("BucketingBatcher", "create")
+
+
+def _order(request: Request) -> tuple[int, float]:
+    """Rank for preemption: the largest (lowest priority, latest arrival) goes first."""
+    return (request.params.priority, request.arrival_time)
+
+
+class BucketingBatcher:
+    def __init__(self, config: EngineConfig) -> None:
+        self.max_batch_tokens = config.max_batch_tokens
+        self.max_num_seqs = config.max_num_seqs  # hard limit; lowered for good after a device OOM
+        self.seq_limit = config.max_num_seqs  # adaptive: drops to what fits after a preemption, regrows
+        self.aging_s = config.priority_aging_s
+        self.window = config.window if config.attention == "sliding" else None
+        self.sink_tokens = config.sink_tokens
+        self.high_watermark = config.kv_high_watermark
+        self.low_watermark = config.kv_low_watermark
+        self.max_queue = config.max_queue
+        self.speculative_tokens = config.speculative_tokens
+        self.speculative_max_seqs = config.speculative_max_seqs
+        self.bucket_edges = sorted(config.length_buckets)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.pool: Any = None  # BlockPool, when the backend is paged
+        self.max_model_len = 0
+        self.num_preemptions = 0
+        self.num_paused_admissions = 0
+        self.admission_paused = False
+        self.last_schedule_us = 0.0
+
+    async def start(self, ctx: EngineContext) -> None:
+        self.pool = ctx.shared.get("block_pool")
+        self.max_model_len = ctx.max_model_len
+
+    def queue_key(self, request: Request) -> float | tuple[int, float]:
+        """Place in the waiting queue. With aging, one priority level is worth `priority_aging_s`
+        seconds of waiting: a request that waited that much longer passes a better-priority one, so
+        a flood of higher-priority work delays a request by a bounded time, never forever."""
+        if self.aging_s is None:
+            return (request.params.priority, request.arrival_time)
+        return request.params.priority * self.aging_s + request.arrival_time
+
+    # -- queue -------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if len(self.waiting) >= self.max_queue:  # a last guard: the breaker stage bounds the queue first
+            raise Overloaded(f"the waiting queue is full ({self.max_queue} requests)", retry_after=1.0)
+        if self.pool is not None:
+            # A request that could never fit would be preempted forever: refuse it now.
+            longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+            needed = self.pool.blocks_needed(longest)
+            if self.window is not None:  # sliding: sinks + window + one step's chunk, however long it runs
+                held = self.pool.blocks_needed(self.sink_tokens) + self.pool.blocks_needed(self.window) + 1
+                needed = min(needed, held + self.pool.blocks_needed(self.max_batch_tokens))
+            if needed > self.pool.num_blocks:
+                raise InvalidRequest(
+                    f"prompt + max_tokens need {needed} KV blocks but the whole pool has "
+                    f"{self.pool.num_blocks}; lower max_tokens or enlarge the KV cache",
+                    field="max_tokens",
+                )
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=self.queue_key)
+
+    def finish(self, request: Request) -> None:
+        """Forget a finished or aborted request and release its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, request: Request) -> None:
+        if self.pool is not None:
+            self.pool.release(request)  # empties its block table
+
+    # -- step-level scheduling (paged) ------------------------------------
+    def schedule(self) -> StepPlan:
+        started = time.perf_counter()
+        plan = StepPlan()
+        budget = self.max_batch_tokens
+        scheduled: set[int] = set()
+        speculate = self.speculative_tokens > 0 and len(self.running) <= self.speculative_max_seqs
+        for request in sorted(self.running, key=_order):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            self.pool.commit(request)  # blocks filled by the last step become shareable
+            if self.window is not None:  # sliding attention: blocks behind the window are never read again
+                self.pool.trim(request, request.num_computed_tokens - self.window + 1, self.sink_tokens)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            draft = self._draft(request, budget) if speculate and num_new == 1 else []
+            num_new += len(draft)
+            if not self._reserve(request, num_new, plan, scheduled):
+                continue
+            plan.chunks.append(ScheduledChunk(request, num_new, draft))
+            scheduled.add(id(request))
+            budget -= num_new
+        pool = self.pool
+        if self.seq_limit < self.max_num_seqs and pool.num_used < self.low_watermark * pool.num_blocks:
+            self.seq_limit += 1  # memory is easy again: let the batch grow back, one sequence per step
+        limit = min(self.max_num_seqs, self.seq_limit)
+        high = self.high_watermark * pool.num_blocks
+        self.admission_paused = False
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < limit:
+            request = self.waiting[i]
+            if not pool.match_prefix(request):
+                i += 1  # its cached prefix is loading from a lower tier: the next ones go first
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            needed = pool.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_table)
+            # Above the high watermark new prefills wait, so running requests have room to grow.
+            paused = bool(self.running) and pool.num_used + needed > high
+            if paused or not pool.can_allocate(needed):
+                pool.release(request)  # hand its shared prefix back until it fits
+                request.num_computed_tokens = 0
+                if paused:
+                    self.admission_paused = True
+                    self.num_paused_admissions += 1
+                    break
+                if not self.running and not plan.chunks:
+                    # Nothing will ever free blocks for it: fail it rather than hang.
+                    self.waiting.pop(i)
+                    plan.rejected.append((request, InvalidRequest(
+                        f"request needs {needed} KV blocks but only {self.pool.num_free} exist", field="prompt")))
+                    continue
+                break
+            self.waiting.pop(i)
+            request.block_table.extend(self.pool.allocate(needed))
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.chunks.append(ScheduledChunk(request, num_new))
+            scheduled.add(id(request))
+            budget -= num_new
+        self.last_schedule_us = (time.perf_counter() - started) * 1e6
+        return plan
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """Guessed next tokens of a decoding request (n-gram lookup in its context), within the step's
+        token budget and its token limits. A draft only takes blocks while a free block per running
+        request remains, so that drafts do not push the other requests' decodes into preemption."""
+        params = request.params
+        num_out = len(request.output_token_ids)
+        if not can_speculate(params, num_out):
+            return []
+        room = min(self.speculative_tokens, budget - 1, request.max_tokens - num_out - 1,
+                   self.max_model_len - request.num_tokens)
+        draft = propose_draft(request.all_token_ids, room)
+        if draft:
+            needed = self.pool.blocks_needed(request.num_computed_tokens + 1 + len(draft)) - len(request.block_table)
+            if needed > 0 and not self.pool.can_allocate(needed + len(self.running)):
+                return []
+        return draft
+
+    def _reserve(self, request: Request, num_new: int, plan: StepPlan, scheduled: set[int]) -> bool:
+        """Give `request` blocks for `num_new` more tokens, preempting others if needed."""
+        needed = self.pool.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_table)
+        while needed > 0 and not self.pool.can_allocate(needed):
+            victim = self._pick_victim()
+            if victim is None or victim is request:  # it is the worst placed itself: it yields
+                self._preempt(request, plan)
+                return False
+            if id(victim) in scheduled:
+                plan.chunks = [c for c in plan.chunks if c.request is not victim]
+                scheduled.discard(id(victim))
+            self._preempt(victim, plan)
+        if needed > 0:
+            request.block_table.extend(self.pool.allocate(needed))
+        return True
+
+    def _pick_victim(self) -> Request | None:
+        candidates = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        if not candidates:
+            return None
+        # Lowest priority (largest value) first, then the latest arrival.
+        return max(candidates, key=_order)
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=self.queue_key)  # back in its place: near the front
+        self.seq_limit = max(1, len(self.running))  # as many as fit; regrows below the low watermark
+        plan.preempted.append(request)
+
+    def shrink(self, plan: StepPlan) -> bool:
+        """Make the next step smaller after the device ran out of memory on `plan`.
+
+        Preempts the worse-placed half of the plan's requests (they recompute later); a plan of
+        one chunk halves the token budget instead. Returns False when nothing can shrink.
+        """
+        requests = [c.request for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
+        if len(requests) > 1:
+            keep = len(requests) // 2
+            for victim in sorted(requests, key=_order)[keep:]:
+                self._preempt(victim, StepPlan())
+            self.max_num_seqs = min(self.max_num_seqs, max(keep, 1))  # the device fits no more
+            return True
+        floor = self.pool.block_size if self.pool is not None else 1
+        if self.max_batch_tokens > floor:
+            self.max_batch_tokens = max(self.max_batch_tokens // 2, floor)
+            return True
+        return False
+
+    # -- static batching (hf) ----------------------------------------------
+    def bucket_of(self, num_tokens: int) -> int:
+        i = bisect.bisect_left(self.bucket_edges, num_tokens)
+        return self.bucket_edges[i] if i < len(self.bucket_edges) else num_tokens
+
+    def take_batch(self) -> list[Request]:
+        """The oldest request of the best priority, plus waiting requests of its length bucket."""
+        if not self.waiting:
+            return []
+        head = self.waiting[0]
+        bucket = self.bucket_of(head.num_prompt_tokens)
+        batch = [r for r in self.waiting if self.bucket_of(r.num_prompt_tokens) == bucket][: self.max_num_seqs]
+        for request in batch:
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        return batch
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_waiting": len(self.waiting),
+            "num_running": len(self.running),
+            "num_preemptions": self.num_preemptions,
+            "max_num_seqs_effective": min(self.max_num_seqs, self.seq_limit),
+            "admission_paused": self.admission_paused,
+            "num_paused_admissions": self.num_paused_admissions,
+            "kv_usage": round(self.pool.num_used / self.pool.num_blocks, 4) if self.pool is not None else 0.0,
+            "max_batch_tokens_effective": self.max_batch_tokens,
+            "schedule_us": round(self.last_schedule_us, 1),
+        }
+
+
+def create(config: EngineConfig) -> BucketingBatcher:
+    return BucketingBatcher(config)

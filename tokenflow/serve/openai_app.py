@@ -1,0 +1,443 @@
+"""An OpenAI-compatible ASGI app around an Engine (Starlette; mounts into FastAPI too).
+
+    app = create_app("smollm2-135m", max_num_seqs=16, api_key="...")   # owns an Engine through its lifespan
+    app = create_app(engine=my_engine)                                 # or serves one the caller owns
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or
+server-sent events with `stream: true`, usage in the last event when
+`stream_options.include_usage`), `GET /v1/models`, `GET /health` (200 once the
+model is loaded; never behind the key), `GET /metrics` (Prometheus).
+
+Everything a caller sends is untrusted (`HTTPSettings`): with an `api_key`
+every route but `/health` wants `Authorization: Bearer <key>` (401
+otherwise); a body over `max_request_bytes` is refused with 413 before it is
+read whole; a malformed body is a 400 naming the field
+(`openai_protocol.py`); `priority` and `cache_salt` are the operator's to
+set (through `request_policy`), not the client's; `cached_tokens` is
+reported only when enabled, since it tells a caller which prefixes other
+callers sent. A client that disconnects aborts its request, whether it
+streams or waits, and also while it is queued. An error after the first
+streamed event is sent as an OpenAI error event, then `[DONE]`.
+
+Errors are OpenAI-style JSON bodies: 400 `InvalidRequest`, 401, 413, 429
+`Overloaded` (with `Retry-After`), 503 closed or dead engine (`EngineClosed`,
+`EngineError`), 504 `DeadlineExceeded`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import inspect
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from tokenflow.engine import Engine
+from tokenflow.errors import DeadlineExceeded, EngineClosed, EngineError, InvalidRequest, Overloaded, TokenflowError
+from tokenflow.params import Chunk, Completion, Usage
+from tokenflow.serve.metrics import EngineMetrics
+from tokenflow.serve.openai_protocol import PASSTHROUGH, decode_body, to_engine_kwargs
+
+__all__ = ("PASSTHROUGH", "HTTPSettings", "RequestPolicy", "completion_body", "create_app", "engine_lifespan",
+           "error_body", "openai_routes", "parse_request", "response_id", "retry_after_s")
+
+log = logging.getLogger("tokenflow.http")
+
+API_KEY_ENV = "TOKENFLOW_API_KEY"
+CLIENT_SETTABLE = frozenset({"priority", "cache_salt"})  # fields the operator may let clients set
+
+# (http request, the request's Engine keywords) -> keywords to override (tenant salt, priority, limits);
+# may be async, may raise a TokenflowError (e.g. InvalidRequest -> 400) to refuse the request.
+RequestPolicy = Callable[[Request, dict[str, Any]], "Mapping[str, Any] | Awaitable[Mapping[str, Any] | None] | None"]
+
+
+@dataclass(frozen=True)
+class HTTPSettings:
+    """What the HTTP layer enforces before a request reaches the engine. Defaults are the safe ones."""
+
+    api_key: str | None = None  # Bearer key for every route but /health; None: no auth (bind to 127.0.0.1)
+    max_request_bytes: int = 4 * 2**20
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; none by default
+    request_policy: RequestPolicy | None = None
+    trusted_client_fields: frozenset[str] = frozenset()  # of CLIENT_SETTABLE: clients may send these themselves
+    report_cached_tokens: bool = False  # usage.prompt_tokens_details.cached_tokens (a cross-tenant signal)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.trusted_client_fields) - CLIENT_SETTABLE
+        if unknown:
+            raise ValueError(f"trusted_client_fields may name only {sorted(CLIENT_SETTABLE)}, not {sorted(unknown)}")
+        if self.max_request_bytes <= 0:
+            raise ValueError("max_request_bytes must be positive")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **settings: Any) -> HTTPSettings:
+        """Settings with `api_key` from `TOKENFLOW_API_KEY` when not given."""
+        environ = os.environ if environ is None else environ
+        if settings.get("api_key") is None and environ.get(API_KEY_ENV):
+            settings["api_key"] = environ[API_KEY_ENV]
+        settings["cors_origins"] = tuple(settings.get("cors_origins") or ())
+        settings["trusted_client_fields"] = frozenset(settings.get("trusted_client_fields") or ())
+        return cls(**settings)
+
+
+def engine_lifespan(
+    model: str | None = None, *, engine: Engine | None = None, http: HTTPSettings | None = None, **settings: Any
+) -> Any:
+    """A Starlette/FastAPI lifespan that puts a started Engine on `app.state.engine` (and closes it
+    at shutdown when it created it), and the HTTP settings on `app.state.http_settings`."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        owned = engine is None
+        current = engine if engine is not None else Engine(model, **settings)
+        await current.start()
+        app.state.engine = current
+        app.state.metrics = EngineMetrics(current)
+        app.state.http_settings = http if http is not None else HTTPSettings.from_env()
+        current.add_observer(app.state.metrics)
+        try:
+            yield
+        finally:
+            if owned:
+                await current.aclose()
+
+    return lifespan
+
+
+def openai_routes() -> list[Route]:
+    """The routes, for an app that has its own (e.g. `fastapi_app.router.routes.extend(openai_routes())`,
+    with `lifespan=engine_lifespan(..., http=HTTPSettings(...))`)."""
+    return [
+        Route("/v1/completions", _guarded(partial(_serve, chat=False)), methods=["POST"]),
+        Route("/v1/chat/completions", _guarded(partial(_serve, chat=True)), methods=["POST"]),
+        Route("/v1/models", _guarded(models), methods=["GET"]),
+        Route("/health", _guarded(health, auth=False), methods=["GET"]),
+        Route("/metrics", _guarded(metrics), methods=["GET"]),
+    ]
+
+
+def create_app(
+    model: str | None = None, *, engine: Engine | None = None, api_key: str | None = None,
+    max_request_bytes: int = HTTPSettings.max_request_bytes, cors_origins: tuple[str, ...] | list[str] = (),
+    request_policy: RequestPolicy | None = None, trusted_client_fields: tuple[str, ...] | list[str] = (),
+    report_cached_tokens: bool = False, **settings: Any,
+) -> Starlette:
+    """A Starlette app with only the OpenAI routes, owning an Engine of `model` (or serving `engine`).
+    Keywords other than the HTTP ones (`HTTPSettings`) are engine settings."""
+    http = HTTPSettings.from_env(
+        api_key=api_key, max_request_bytes=max_request_bytes, cors_origins=cors_origins,
+        request_policy=request_policy, trusted_client_fields=trusted_client_fields,
+        report_cached_tokens=report_cached_tokens,
+    )
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(http.cors_origins), allow_methods=["GET", "POST"],
+                             allow_headers=["Authorization", "Content-Type"])] if http.cors_origins else []
+    return Starlette(routes=openai_routes(), middleware=middleware,
+                     lifespan=engine_lifespan(model, engine=engine, http=http, **settings))
+
+
+# -- the guard every route goes through ------------------------------------------------------
+class _TooLarge(Exception):
+    """The body passed `max_request_bytes`."""
+
+
+def _guarded(endpoint: Callable[..., Awaitable[Response]], *, auth: bool = True) -> Callable[[Request], Any]:
+    """Auth, then the endpoint, with every failure turned into an OpenAI error body (never a bare 500)."""
+
+    async def run(request: Request) -> Response:
+        settings: HTTPSettings = getattr(request.app.state, "http_settings", None) or HTTPSettings.from_env()
+        if auth and not _authorized(request, settings.api_key):
+            return _json_error(401, "a valid API key is needed: send `Authorization: Bearer <key>`",
+                               "invalid_request_error", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
+        try:
+            return await endpoint(request, settings)
+        except TokenflowError as exc:
+            return _error(exc)
+        except _TooLarge:
+            return _json_error(413, f"the request body is larger than {settings.max_request_bytes} bytes",
+                               "invalid_request_error", code="request_too_large")
+        except Exception:
+            log.exception("%s %s failed", request.method, request.url.path)
+            return _json_error(500, "internal server error", "server_error")
+
+    return run
+
+
+def _authorized(request: Request, api_key: str | None) -> bool:
+    if api_key is None:
+        return True
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (`_TooLarge`) as soon as it is known to pass `limit`: by Content-Length, or while read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise _TooLarge
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+_DISCONNECTED = object()
+
+
+async def _unless_disconnected(request: Request, call: Callable[[], Awaitable[Any]]) -> Any:
+    """`await call()`, cancelled (returning `_DISCONNECTED`) if the client hangs up meanwhile: a caller
+    that left must not keep its request queued or generating."""
+    result: Any = _DISCONNECTED
+    error: BaseException | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            result = await call()
+        except Exception as exc:  # raised after the group, unwrapped
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that stop (and close their generator, aborting the request) when the client
+    leaves, whatever ASGI version the server speaks."""
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the connection broke while sending
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()  # type: ignore[attr-defined]
+
+
+# -- routes ------------------------------------------------------------------------------
+async def health(request: Request, settings: HTTPSettings) -> Response:
+    engine: Engine | None = getattr(request.app.state, "engine", None)
+    stats = engine.stats() if engine is not None else {"state": "starting"}
+    state, dead = stats.get("state"), stats.get("dead", False)
+    ok = state == "running" and not dead
+    return JSONResponse({"status": "ok" if ok else (state if not dead else "dead")}, status_code=200 if ok else 503)
+
+
+async def models(request: Request, settings: HTTPSettings) -> Response:
+    engine: Engine = request.app.state.engine
+    return JSONResponse({"object": "list", "data": [
+        {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "tokenflow"}]})
+
+
+async def metrics(request: Request, settings: HTTPSettings) -> Response:
+    return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Response:
+    engine: Engine = request.app.state.engine
+    body = decode_body(await _read_body(request, settings.max_request_bytes), chat)
+    prompt, kwargs = to_engine_kwargs(body)
+    kwargs = await _apply_policy(request, kwargs, settings)
+    rid = response_id(chat)
+    started = time.perf_counter()
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        stream = engine.stream_chat(prompt, **kwargs) if chat else engine.stream(prompt, **kwargs)
+        try:  # errors before the first token still get a status code
+            first = await _unless_disconnected(request, partial(anext, stream, None))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()  # type: ignore[attr-defined]
+            raise
+        if first is _DISCONNECTED:
+            await stream.aclose()  # type: ignore[attr-defined]
+            return Response(status_code=499)  # nobody reads it; the request is aborted
+        request.app.state.metrics.ttft.observe(time.perf_counter() - started)
+        return _EventStream(_events(request, stream, first, rid, chat, include_usage, started, settings))
+    call = engine.chat(prompt, **kwargs) if chat else engine.generate(prompt, **kwargs)
+    done = await _unless_disconnected(request, lambda: call)
+    if done is _DISCONNECTED:
+        return Response(status_code=499)
+    request.app.state.metrics.latency.observe(time.perf_counter() - started)
+    return JSONResponse(completion_body(
+        done, chat=chat, model=engine.model_name, rid=rid, logprobs=kwargs.get("logprobs") is not None,
+        tokenizer=engine.loaded.tokenizer, report_cached_tokens=settings.report_cached_tokens,
+    ))
+
+
+async def _apply_policy(request: Request, kwargs: dict[str, Any], settings: HTTPSettings) -> dict[str, Any]:
+    """Fields only the operator may set are refused from clients; then the app's policy has its say."""
+    for name in sorted(CLIENT_SETTABLE - settings.trusted_client_fields):
+        if name in kwargs:
+            raise InvalidRequest(f"`{name}` is set by this server, not by clients", field=name)
+    if settings.request_policy is not None:
+        overrides = settings.request_policy(request, dict(kwargs))
+        if inspect.isawaitable(overrides):
+            overrides = await overrides
+        kwargs.update(overrides or {})
+    return kwargs
+
+
+async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk | None, rid: str, chat: bool,
+                  include_usage: bool, started: float, settings: HTTPSettings) -> AsyncIterator[str]:
+    engine: Engine = request.app.state.engine
+    app_metrics: EngineMetrics = request.app.state.metrics
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    usage = None
+    try:
+        if chat:
+            yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+        chunk = first
+        while chunk is not None:
+            usage = chunk.usage or usage
+            if chat:
+                choice: dict[str, Any] = {"index": 0, "delta": {"content": chunk.text} if chunk.text else {},
+                                          "finish_reason": chunk.finish_reason}
+            else:
+                choice = {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason, "logprobs": None}
+            yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name,
+                        "choices": [choice]})
+            chunk = await anext(stream, None)
+    except TokenflowError as exc:  # after the first event the status is sent: the error goes in the stream
+        yield _sse(error_body(exc)[1])
+    except Exception as exc:
+        log.exception("stream %s failed", rid)
+        yield _sse(error_body(EngineError(f"the stream failed: {type(exc).__name__}"))[1])
+    else:
+        app_metrics.latency.observe(time.perf_counter() - started)
+        if include_usage and usage is not None:
+            yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name, "choices": [],
+                        "usage": _usage(usage, settings.report_cached_tokens)})
+    yield "data: [DONE]\n\n"
+
+
+# -- mapping ---------------------------------------------------------------------------
+def parse_request(body: Any, chat: bool) -> tuple[Any, dict[str, Any]]:
+    """`(prompt or messages, Engine keyword arguments)` of a request body (a decoded JSON object or its
+    bytes); `InvalidRequest` naming the field if it is malformed. No trust policy is applied here."""
+    return to_engine_kwargs(decode_body(body, chat))
+
+
+def _usage(usage: Usage, report_cached_tokens: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                           "total_tokens": usage.total_tokens}
+    if report_cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return out
+
+
+def response_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def completion_body(
+    done: Completion, *, chat: bool, model: str, rid: str | None = None, logprobs: bool = False,
+    tokenizer: Any = None, report_cached_tokens: bool = False,
+) -> dict[str, Any]:
+    """The OpenAI response body of a finished request (logprobs need the tokenizer to spell tokens)."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
+    if logprobs and done.logprobs is not None:
+        def text(token_id: int) -> str:
+            return tokenizer.decode([token_id])
+
+        if chat:
+            choice["logprobs"] = {"content": [
+                {"token": text(lp.token_id), "logprob": _finite(lp.logprob), "bytes": None,
+                 "top_logprobs": [{"token": text(t), "logprob": _finite(v), "bytes": None} for t, v in lp.top.items()]}
+                for lp in done.logprobs]}
+        else:
+            offsets, at = [], 0
+            for lp in done.logprobs:
+                offsets.append(at)
+                at += len(text(lp.token_id))
+            choice["logprobs"] = {
+                "tokens": [text(lp.token_id) for lp in done.logprobs],
+                "token_logprobs": [_finite(lp.logprob) for lp in done.logprobs],
+                "top_logprobs": [{text(t): _finite(v) for t, v in lp.top.items()} for lp in done.logprobs],
+                "text_offset": offsets,
+            }
+    if chat:
+        choice["message"] = {"role": "assistant", "content": done.text}
+    else:
+        choice["text"] = done.text
+    return {"id": rid or response_id(chat), "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": _usage(done.usage, report_cached_tokens)}
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else -9999.0
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def error_body(exc: TokenflowError) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error body of a typed engine error."""
+    status, kind = 500, "server_error"
+    if isinstance(exc, InvalidRequest):
+        status, kind = 400, "invalid_request_error"
+    elif isinstance(exc, Overloaded):
+        status, kind = 429, "rate_limit_error"
+    elif isinstance(exc, (EngineClosed, EngineError)):
+        status, kind = 503, "service_unavailable"
+    elif isinstance(exc, DeadlineExceeded):
+        status, kind = 504, "timeout"
+    return status, {"error": {"message": str(exc), "type": kind, "param": getattr(exc, "field", None), "code": None}}
+
+
+def retry_after_s(exc: Overloaded) -> int:
+    return max(1, math.ceil(exc.retry_after or 1.0))
+
+
+def _error(exc: TokenflowError) -> JSONResponse:
+    status, body = error_body(exc)
+    headers = {"Retry-After": str(retry_after_s(exc))} if isinstance(exc, Overloaded) else {}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _json_error(status: int, message: str, kind: str, *, code: str | None = None,
+                headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=status, headers=headers)
