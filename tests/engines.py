@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import torch
 
 from tokenflow import Engine
 
-__all__ = ("running_engine", "until_idle")
+__all__ = ("running_engine", "stage_of", "until_idle")
+
+S = TypeVar("S")
 
 
 @contextlib.asynccontextmanager
@@ -23,6 +25,11 @@ async def running_engine(model: Any, **settings: Any) -> AsyncIterator[Engine]:
             yield engine
     finally:
         torch.set_num_threads(threads)
+
+
+def stage_of(engine: Engine, kind: type[S]) -> S:
+    """The engine's request stage of this class."""
+    return next(s for s in engine._stages if isinstance(s, kind))
 
 
 async def until_idle(engine: Engine, limit_s: float = 10.0) -> dict[str, Any]:

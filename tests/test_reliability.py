@@ -18,9 +18,10 @@ import anyio
 import pytest
 import torch
 
-from tests.engines import running_engine, until_idle
+from tests.engines import running_engine, stage_of, until_idle
 from tokenflow import Engine
 from tokenflow.errors import DeadlineExceeded, EngineError, InvalidRequest, Overloaded
+from tokenflow.stages.tokenizer import TokenizerStage
 
 BASE = dict(max_model_len=128, num_kv_blocks=64, num_threads=1)
 
@@ -140,7 +141,7 @@ def _report(name: str, outcomes: dict[str, str]) -> None:
 
 async def test_fault_tokenizer_stage_fails_only_that_request(tiny_model) -> None:
     async with _engine(tiny_model) as engine:
-        stage = engine.ctx.shared["tokenizer"]
+        stage = stage_of(engine, TokenizerStage)
         real = stage.handle
 
         async def flaky(request: Any, call_next: Any) -> None:
@@ -160,7 +161,7 @@ async def test_fault_tokenizer_stage_fails_only_that_request(tiny_model) -> None
 
 async def test_fault_tokenizer_encode_of_one_prompt_spares_its_batch_neighbours(tiny_model) -> None:
     async with _engine(tiny_model, tokenizer_window_ms=20.0) as engine:
-        stage = engine.ctx.shared["tokenizer"]
+        stage = stage_of(engine, TokenizerStage)
         real = stage.tokenizer
 
         class Poisoned:
@@ -181,7 +182,7 @@ async def test_fault_tokenizer_encode_of_one_prompt_spares_its_batch_neighbours(
 
 async def test_fault_schedule_raising_fails_pending_requests_and_the_engine_carries_on(tiny_model) -> None:
     async with _engine(tiny_model, max_num_seqs=2) as engine:
-        batcher = engine._loop.batcher
+        batcher = engine._loop.scheduler
 
         class Running(list):  # raises inside schedule(), after a request left `waiting` and got blocks
             appends = 0
@@ -209,7 +210,7 @@ async def test_fault_schedule_always_raising_kills_the_engine(tiny_model) -> Non
         def broken() -> Any:
             raise RuntimeError("injected scheduler fault")
 
-        engine._loop.batcher.schedule = broken
+        engine._loop.scheduler.schedule = broken
         outcomes: dict[str, str] = {}
         for round_ in range(4):
             calls = {f"r{round_}-{i}": engine.generate("x", max_tokens=4) for i in range(3)}
@@ -303,7 +304,7 @@ async def test_shutdown_with_callers_at_every_stage(tiny_model) -> None:
         _report("aclose(drain_timeout=0.2) under load", outcomes)
         assert outcomes.pop("close") == "completed" and outcomes.pop("short") == "completed"
         assert set(outcomes.values()) == {"EngineClosed"}
-        assert engine._loop.batcher.pool.num_used == 0
+        assert engine._loop.scheduler.pool.num_used == 0
         assert await _outcome(engine.generate("after close")) == "EngineClosed"
     finally:
         await engine.aclose()
@@ -314,7 +315,7 @@ async def test_shutdown_with_callers_at_every_stage(tiny_model) -> None:
 @pytest.mark.parametrize("debug_leaks", [False, True])
 async def test_idle_leak_check_names_the_holder(tiny_model, caplog, debug_leaks: bool) -> None:
     async with _engine(tiny_model, debug_leaks=debug_leaks) as engine:
-        batcher = engine._loop.batcher
+        batcher = engine._loop.scheduler
         real_release = batcher._release
 
         def leaky(request: Any) -> None:  # a batcher bug: forgets one request's blocks

@@ -49,6 +49,7 @@ class Sim:
             block_size=self.block_size,
         )
         self.pool = BlockPool(self.num_blocks, self.block_size)
+        self.deadline_step: dict[Request, int | None] = {}
         self.batcher = BucketingBatcher(config)
         self.batcher.pool = self.pool
         self.batcher.max_model_len = MAX_MODEL_LEN
@@ -57,7 +58,7 @@ class Sim:
     def add(self, prompt_len: int, max_tokens: int, priority: int, deadline: int | None) -> None:
         params = SamplingParams(max_tokens=max_tokens, priority=priority, ignore_eos=True)
         request = Request(params, prompt_token_ids=[7] * prompt_len, arrival_time=self.clock)
-        request.extras["deadline_step"] = None if deadline is None else self.steps + deadline
+        self.deadline_step[request] = None if deadline is None else self.steps + deadline
         self.clock += 1.0
         try:
             self.batcher.add(request)
@@ -79,7 +80,7 @@ class Sim:
 
     def step(self) -> None:
         for request in self.added:  # deadlines that passed since the last step
-            due = request.extras["deadline_step"]
+            due = self.deadline_step[request]
             if not request.finished and due is not None and self.steps >= due:
                 self._abort(request, "deadline")
         reap, self.to_reap = self.to_reap, []

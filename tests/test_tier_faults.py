@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.engines import stage_of
 from tests.test_oracle import hf_greedy
 from tokenflow import Engine
 from tokenflow.kv.block_hash import BlockKey
@@ -74,7 +75,7 @@ async def test_a_hung_load_times_out_the_request_recomputes(tiny_model, expected
     monkeypatch.setattr(DiskTier, "fetch_blocks", hung_fetch)
     try:
         async with Engine(tiny_model, **settings(tmp_path, tier_load_timeout_s=0.5)) as engine:
-            tier = engine.ctx.shared["disk_tier"]
+            tier = stage_of(engine, DiskTier)
             started = time.perf_counter()
             done = await engine.generate(PROMPT, max_tokens=8, temperature=0.0)
             assert time.perf_counter() - started < 0.5 + 5.0

@@ -64,7 +64,7 @@ class Engine:
         self._chain: NextStage | None = None
         self._stages: list[Any] = []
         self._started: list[Any] = []  # stages whose start() ran, in order: stopped at close or after a failed start
-        self._batcher: Any = None
+        self.scheduler: Any = None
         self._model_thread: ModelThread | None = None
         self._model_thread_task: _Background | None = None
         self.limits: RequestLimits | None = None
@@ -117,21 +117,20 @@ class Engine:
         backend = registry.load_backend(config.backend, config)
         await model_thread.run(backend.load, ctx, loaded.model)
         stages = [registry.load_stage(name, config, kinds=("request",)) for name in config.request_stages]
-        batcher = registry.load_stage(config.batcher, config, kinds=("loop",))
-        for name, stage in [*zip(config.request_stages, stages), (config.batcher, batcher)]:
-            ctx.shared[name] = stage
-        for stage in [*stages, batcher]:
+        scheduler = registry.load_stage(config.batcher, config, kinds=("loop",))
+        ctx.scheduler = scheduler
+        for stage in [*stages, scheduler]:
             self._started.append(stage)  # stopped after a failure, even a failure inside its own start()
             if hasattr(stage, "start"):
                 await stage.start(ctx)
         self._stages = stages
-        self._batcher = batcher
+        self.scheduler = scheduler
         self.ctx = ctx
         self.loaded = loaded
         self.limits = RequestLimits.from_config(config, loaded.max_model_len, loaded.tokenizer)
         self.output = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, loaded.max_model_len)
         self._loop = StepLoop(
-            backend, batcher, self.output, loaded, ctx.observers, model_thread=model_thread,
+            backend, scheduler, self.output, loaded, ctx.observers, model_thread=model_thread, pool=ctx.pool,
             debug_leaks=config.debug_leaks,
         )
         self._chain = _build_chain(stages, self._enqueue)
@@ -271,7 +270,7 @@ class Engine:
         request.max_tokens = self.limits.max_new_tokens(request.params, request.num_prompt_tokens)
         self.output.prepare(request)
         if request.params.seed is not None:
-            request.extras["generator"] = make_generator(request.params.seed, self.loaded.device)
+            request.generator = make_generator(request.params.seed, self.loaded.device)
         self._loop.add(request)
 
     async def _collect(self, request: Request) -> Completion:

@@ -1,7 +1,8 @@
-"""The contracts a stage or backend plugin implements.
+"""The contracts between the engine and its parts (re-exported, with the rest of the plugin surface, by
+`tokenflow.plugin_api`).
 
-The registry decides a plugin's kind by the protocol its object satisfies, so
-a third-party stage needs nothing from tokenflow but these method names.
+The registry decides a plugin's kind by the protocol its object satisfies, so a third-party stage needs
+nothing from tokenflow but these method names. Each protocol lists what the engine really calls.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ if TYPE_CHECKING:
     import torch
 
     from tokenflow.config import EngineConfig
+    from tokenflow.params import TokenLogprob
     from tokenflow.request import Request
+    from tokenflow.runtime.sampler import SamplerOutput
 
 __all__ = (
     "Batcher",
@@ -24,11 +27,18 @@ __all__ = (
     "KVPool",
     "ModelBackend",
     "NextStage",
+    "PrefixHit",
     "RequestStage",
     "ScheduledChunk",
+    "Scheduler",
     "StaticBackend",
+    "StaticScheduler",
     "StepBackend",
+    "StepOutput",
     "StepPlan",
+    "StepResult",
+    "TokenItem",
+    "TokenSink",
     "notify_request_end",
 )
 
@@ -37,7 +47,11 @@ NextStage = Callable[["Request"], Awaitable[None]]
 
 @dataclass
 class EngineContext:
-    """What the engine hands every stage at start: settings and shared objects."""
+    """What the engine hands every stage at start: settings, model facts, and its parts as typed attributes.
+
+    `pool` is set by a paged backend when it loads (None with a static backend); `scheduler` is the
+    `batcher` stage; both are set before any stage's `start` runs.
+    """
 
     config: EngineConfig
     tokenizer: Any  # the HF fast tokenizer of the model
@@ -46,7 +60,8 @@ class EngineContext:
     vocab_size: int
     model_key: bytes = b""  # fingerprint of the model's weights, dtype and block size (cache keys)
     serving_key: bytes = b""  # model_key plus tokenizer, chat template, context, EOS ids (response cache keys)
-    shared: dict[str, Any] = field(default_factory=dict)  # stage name -> stage, for cooperation
+    pool: KVPool | None = None
+    scheduler: Scheduler | StaticScheduler | None = None
     observers: list[EngineObserver] = field(default_factory=list)  # told about steps and request ends
 
 
@@ -74,11 +89,13 @@ def notify_request_end(observers: Sequence[EngineObserver], request: Request, ou
 @runtime_checkable
 class RequestStage(Protocol):
     """A middleware on the request path: inspect or change the request, then
-    `await call_next(request)` to pass it on (or raise to refuse it)."""
+    `await call_next(request)` to pass it on (or raise a `TokenflowError` to refuse it).
+    Optional: `async start(ctx)`, `async stop()` (at `aclose`), `stats() -> dict`."""
 
     async def handle(self, request: Request, call_next: NextStage) -> None: ...
 
 
+# -- one step: plan, output, result ------------------------------------------------------------
 @dataclass
 class ScheduledChunk:
     """`num_tokens` new tokens of `request` to compute this step.
@@ -99,7 +116,7 @@ class ScheduledChunk:
 
 @dataclass
 class StepPlan:
-    """One step of work: chunks to compute, and requests the batcher gave up on."""
+    """One step of work: chunks to compute, and requests the scheduler gave up on."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -110,52 +127,102 @@ class StepPlan:
         return sum(c.num_tokens for c in self.chunks)
 
 
+@dataclass
+class StepOutput:
+    """What the model thread returns for a step: one sampled token per sampling chunk, and for each
+    sampling chunk the argmax after each of its draft tokens."""
+
+    sampled: SamplerOutput
+    draft_argmax: list[list[int]]
+
+
+# (request, token, logprob, in_cache): a taken token, and whether its K/V is already in the cache
+# (an accepted draft token, computed in the step that verified it).
+TokenItem = tuple["Request", int, "TokenLogprob | None", bool]
+
+
+@dataclass
+class StepResult:
+    """What `update_from_output` did: requests that ended normally (the scheduler already finished
+    them), requests whose row could not be sampled (to fail with the error), tokens taken."""
+
+    finished: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class TokenSink(Protocol):
+    """Where a scheduler hands each taken token (the engine's output processor): it records the token,
+    emits its text, and says whether the request is done (EOS, stop token or string, length)."""
+
+    def append(self, request: Request, token_id: int, logprob: TokenLogprob | None) -> bool: ...
+
+
+# -- the scheduler ----------------------------------------------------------------------------
 @runtime_checkable
-class Batcher(Protocol):
-    """The step loop's scheduler: the contract a third-party batcher implements.
+class Scheduler(Protocol):
+    """The step loop's scheduler (the `batcher` setting, kind `loop`): the only part that changes a
+    request's scheduling state (queues, status, block table, computed tokens). Called on the event
+    loop only, between steps: requests never change while a step runs.
 
-    Called only on the event loop, between steps; requests are never mutated
-    while a step runs.
-
-    - `add(request)`: queue a tokenized request, or raise `InvalidRequest`
-      (it can never fit: prompt + `max_tokens` beyond the whole KV pool) or
-      `Overloaded` (queue full). Never blocks.
-    - `schedule() -> StepPlan`: the next step's chunks under `max_batch_tokens`
-      and `max_num_seqs`. For every returned chunk the request's `block_table`
-      covers `num_computed_tokens + chunk.num_tokens` tokens (blocks taken from
-      `EngineContext.shared["block_pool"]`, a `KVPool`). A request it gives up
-      on for good goes to `plan.rejected` with its error (the loop fails it);
-      a request it preempts goes to `plan.preempted` after it has released
-      its blocks and reset `num_computed_tokens` to 0 (its tokens are kept: it
-      recomputes). The loop then advances `num_computed_tokens` of every chunk
-      and appends the sampled token of chunks that reach the end. A chunk may
-      carry a `draft` of guessed next tokens (greedy requests only, blocks
-      reserved for them too): the loop keeps the verified part of it and
-      advances `num_computed_tokens` by the tokens kept.
-    - `finish(request)`: the request ended (finished, aborted, failed); drop
-      it and release its blocks. Must accept requests in any state, once.
-    - `take_batch()`: the static variant (`hf`): requests to run to completion.
-    - `has_work()`: anything waiting or running; `stats()`: numbers for `Engine.stats()`.
-    - Optional: `shrink(plan) -> bool` (the device ran out of memory on `plan`:
-      make the next step smaller), `start(ctx)`.
-
-    The default (`batcher`, `stages/batcher.py`) never starves a request:
-    queue order is priority with aging, then arrival, and a preemption
-    victim is always the lowest priority, latest arrival.
+    - `add(request)`: queue a tokenized request, or raise `InvalidRequest` (it can never fit: prompt +
+      `max_tokens` beyond the whole KV pool). Never blocks.
+    - `schedule() -> StepPlan`: the next step's chunks under `max_batch_tokens` and `max_num_seqs`. For
+      every chunk, the request's `block_table` covers `num_computed_tokens + chunk.num_tokens` tokens
+      (blocks from `ctx.pool`). A request given up on for good goes to `plan.rejected` with its error;
+      a preempted one to `plan.preempted`, after its blocks were released and `num_computed_tokens`
+      reset to 0 (its tokens are kept: it recomputes). A chunk may carry a `draft` of guessed tokens
+      (blocks reserved for them too).
+    - `update_from_output(plan, output, sink) -> StepResult`: after the step ran: advance
+      `num_computed_tokens`, keep the verified part of each draft, hand each taken token to `sink`
+      (in order, stopping at the one that ends the request), and finish the requests that ended.
+    - `finish(request)`: the request ended (any way, including an abort during a step): drop it and
+      release its blocks. Must accept requests in any state, once.
+    - `has_work()`; `stats() -> dict` (merged into `Engine.stats()`); `waiting` and `running`: the
+      queues, for admission control and for failing everyone when the engine dies.
+    - Optional: `shrink(plan) -> bool` (the device ran out of memory on `plan`: make the next step
+      smaller), `async start(ctx)`.
     """
 
+    waiting: Sequence[Request]
+    running: Sequence[Request]
+
     def add(self, request: Request) -> None: ...
-    def finish(self, request: Request) -> None: ...
     def schedule(self) -> StepPlan: ...
-    def take_batch(self) -> list[Request]: ...
+    def update_from_output(self, plan: StepPlan, output: StepOutput, sink: TokenSink) -> StepResult: ...
+    def finish(self, request: Request) -> None: ...
     def has_work(self) -> bool: ...
     def stats(self) -> dict[str, Any]: ...
 
 
 @runtime_checkable
+class StaticScheduler(Protocol):
+    """A scheduler for static backends (`hf`): whole batches run to completion.
+
+    `take_batch()` moves waiting requests to running and returns them; `accept_tokens(items, sink)`
+    takes each step's tokens as `update_from_output` does and returns the requests that finished
+    (already finished by the scheduler). The rest is as `Scheduler`'s.
+    """
+
+    waiting: Sequence[Request]
+    running: Sequence[Request]
+
+    def add(self, request: Request) -> None: ...
+    def take_batch(self) -> list[Request]: ...
+    def accept_tokens(self, items: Sequence[TokenItem], sink: TokenSink) -> list[Request]: ...
+    def finish(self, request: Request) -> None: ...
+    def has_work(self) -> bool: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
+Batcher = Scheduler  # the old name
+
+
+# -- backends -----------------------------------------------------------------------------------
+@runtime_checkable
 class ModelBackend(Protocol):
-    """Runs the model. `paged` backends implement `execute(plan)` and return the
-    logits of the sampling chunks; static backends implement `run_batch`."""
+    """Runs the model (entry-point group `tokenflow.backends`). `load` runs on the model thread; a paged
+    backend builds the KV pool there and sets `ctx.pool`."""
 
     def load(self, ctx: EngineContext, model: Any) -> None: ...
     def stats(self) -> dict[str, Any]: ...
@@ -166,7 +233,7 @@ class StepBackend(ModelBackend, Protocol):
 
     `execute` runs in a worker thread and returns the logits of the plan's sampling chunks in plan
     order: one row each, plus, for a chunk with a `draft`, one row per draft token (the logits after
-    it), so that the loop can verify the draft.
+    it), so that the scheduler can verify the draft. Optional: `warmup_batch_sizes() -> list[int]`.
     """
 
     static: bool
@@ -177,8 +244,9 @@ class StepBackend(ModelBackend, Protocol):
 class StaticBackend(ModelBackend, Protocol):
     """A backend that runs a whole batch to completion (`static = True`, e.g. `hf`).
 
-    `run_batch` runs in a worker thread and reports each step's tokens through `on_tokens`;
-    it stops a row once its request is finished.
+    `run_batch` runs in a worker thread and reports each step's tokens through
+    `on_tokens(items, failed)`: `(request, token, logprob)` per live row, and `(request, RowFailure)`
+    for rows that could not be sampled; it stops a row once its request is finished.
     """
 
     static: bool
@@ -186,28 +254,43 @@ class StaticBackend(ModelBackend, Protocol):
     def run_batch(self, requests: Sequence[Request], on_tokens: Callable[..., None]) -> None: ...
 
 
+# -- the KV pool ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefixHit:
+    """The resident cached prefix of a request: its `blocks` (in order) and how many of them are
+    unreferenced now (taking them moves them from cached to used)."""
+
+    blocks: list[int]
+    num_tokens: int
+    num_cached: int = 0
+
+
 @runtime_checkable
 class KVPool(Protocol):
-    """The KV block pool (a `memory` stage, e.g. `token_pool`), built by the paged backend with
-    `factory(config, num_blocks=, block_size=, model_key=, kv=)`.
+    """The KV block pool (kind `memory`, the `kv_pool` setting; `token_pool` is the prefix cache),
+    built by the paged backend with `factory(config, num_blocks=, block_size=, model_key=, kv=)`.
 
-    The batcher reserves blocks with `can_allocate`/`allocate`, admits a request with
-    `match_prefix` (shared cached blocks; False means "wait, its prefix is loading"),
+    The scheduler reserves blocks with `can_allocate` / `allocate`; admits a request with
+    `lookup_prefix` (a query: the resident prefix it may share, or None while a lower tier loads it)
+    then, once it fits, `take_prefix` (references those blocks and starts the request after them);
     reports computed blocks with `commit` and returns everything with `release`.
 
-    Tiers below the pool (the disk tier, a plugin's shared remote tier) build on
-    `tokenflow.kv.tiers.base.BlockTier` and use the `token_pool`'s public hooks:
-    `lower_tiers` (asked in order for a prefix past the resident blocks),
-    `evict_listeners` and `commit_listeners` (`(block, key)`, on the event loop),
-    `kv.read_block` / `kv.write_block`, `restore(key, data, request)`,
-    `prefix_keys(request)`, `resident_prefix(keys)`, `hashed_blocks()`.
+    Tiers below the pool (the disk tier, a plugin's shared store) build on `BlockTier` and use the
+    prefix cache's public hooks: `lower_tiers` (asked in order for a prefix past the resident
+    blocks), `evict_listeners` and `commit_listeners` (`(block, key)`, on the event loop),
+    `kv.read_block` / `kv.write_block`, `restore(key, data, request)`, `prefix_keys(request)`,
+    `resident_prefix(keys)`, `hashed_blocks()`.
     """
+
+    num_blocks: int
+    block_size: int
 
     def can_allocate(self, n: int) -> bool: ...
     def allocate(self, n: int) -> list[int]: ...
     def free(self, block_ids: Any) -> None: ...
     def blocks_needed(self, num_tokens: int) -> int: ...
-    def match_prefix(self, request: Request) -> bool: ...
+    def lookup_prefix(self, request: Request) -> PrefixHit | None: ...
+    def take_prefix(self, request: Request, hit: PrefixHit) -> None: ...
     def commit(self, request: Request) -> None: ...
     def release(self, request: Request) -> None: ...
     def stats(self) -> dict[str, Any]: ...

@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenflow.errors import PluginError
 from tokenflow.kv.eviction import EvictionPolicy
-from tokenflow.protocols import Batcher, KVPool, ModelBackend, RequestStage
+from tokenflow.protocols import KVPool, ModelBackend, RequestStage, Scheduler, StaticScheduler
 
 __all__ = (
     "BACKENDS", "POLICIES", "STAGES", "PluginInfo", "find", "list_plugins", "load_backend", "load_policy",
@@ -33,7 +33,8 @@ _BUILTIN_DIST = "tokenflow"
 # Which protocol makes which kind, checked in order.
 _KINDS: tuple[tuple[str, type], ...] = (
     ("request", RequestStage),
-    ("loop", Batcher),
+    ("loop", Scheduler),
+    ("loop", StaticScheduler),
     ("backend", ModelBackend),
     ("memory", KVPool),
     ("policy", EvictionPolicy),
@@ -113,8 +114,9 @@ def kind_of(obj: Any) -> str | None:
 
 
 def _missing(obj: Any, proto: type) -> list[str]:
-    names = [n for n in dir(proto) if not n.startswith("_")]
-    return [n for n in names if not callable(getattr(obj, n, None))]
+    methods = [n for n in dir(proto) if not n.startswith("_")]
+    attributes = list(getattr(proto, "__annotations__", {}))
+    return [n for n in methods if not callable(getattr(obj, n, None))] + [n for n in attributes if not hasattr(obj, n)]
 
 
 def _build(group: str, name: str, config: Any, expected: tuple[str, ...], **sizes: Any) -> Any:
@@ -126,7 +128,7 @@ def _build(group: str, name: str, config: Any, expected: tuple[str, ...], **size
         raise PluginError(f"entry point {group}:{name} = {ep.value!r}: factory failed: {exc!r}") from exc
     kind = kind_of(obj)
     if kind not in expected:
-        proto = dict(_KINDS)[expected[0]]
+        proto = next(p for k, p in _KINDS if k == expected[0])
         missing = ", ".join(_missing(obj, proto)) or "(unknown)"
         raise PluginError(
             f"entry point {group}:{name} = {ep.value!r} returned {type(obj).__name__}, which does not "

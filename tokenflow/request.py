@@ -8,13 +8,21 @@ import enum
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import anyio
 
 from tokenflow.params import Chunk, SamplingParams, TokenLogprob
 
-__all__ = ("OutputCollector", "Request", "RequestStatus")
+if TYPE_CHECKING:
+    import torch
+
+    from tokenflow.output.detokenizer import IncrementalDetokenizer
+    from tokenflow.output.stops import StopStringMatcher
+
+__all__ = ("OutputCollector", "Request", "RequestSlot", "RequestStatus")
+
+T = TypeVar("T")
 
 _ids = itertools.count()
 _DEFAULT_MAX_TOKENS = 128  # a Request built outside the engine (tests, tools); the engine resolves its own
@@ -114,8 +122,13 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     collector: OutputCollector = field(default_factory=OutputCollector)
-    # Per-request helpers set by stages: a seeded torch.Generator, the detokenizer, ...
-    extras: dict[str, Any] = field(default_factory=dict)
+    generator: torch.Generator | None = None  # a seeded request's own (`runtime.sampler.make_generator`)
+    detokenizer: IncrementalDetokenizer | None = None  # set by the output processor before it runs
+    stop_matcher: StopStringMatcher | None = None
+    response_record: list[Chunk] | None = None  # chunks emitted so far, kept for a response tier to store
+    num_prefix_queried_tokens: int = 0  # prompt tokens already counted in the prefix cache's hit rate
+    # Plugin state: one entry per `RequestSlot` (typed by the slot), never a free string-keyed dict.
+    slots: dict[RequestSlot[Any], Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.max_tokens:
@@ -138,3 +151,27 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+class RequestSlot(Generic[T]):
+    """Request-scoped state of one stage, typed: `slot.set(request, value)`, `slot.get(request)`.
+
+    A stage makes its own slot (`self._started = RequestSlot[float]()`); slots of different stages
+    never collide because the slot object itself is the key."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name  # for debugging only
+
+    def get(self, request: Request, default: T | None = None) -> T | None:
+        return request.slots.get(self, default)
+
+    def set(self, request: Request, value: T) -> None:
+        request.slots[self] = value
+
+    def pop(self, request: Request, default: T | None = None) -> T | None:
+        return request.slots.pop(self, default)
+
+    def __repr__(self) -> str:
+        return f"RequestSlot({self.name!r})"

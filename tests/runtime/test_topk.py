@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.runtime.test_sliding import _generate_all
 from transformers import AutoModelForCausalLM
 
+from tests.runtime.test_sliding import _generate_all
 from tests.test_oracle import hf_greedy
 from tokenflow import Engine
 from tokenflow.kv.kv_cache import KVCache

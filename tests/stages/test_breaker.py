@@ -43,7 +43,7 @@ async def _make(clock: Clock, **settings: Any) -> tuple[BreakerStage, FakeBatche
     )
     config = EngineConfig(**{**defaults, **settings})
     batcher = FakeBatcher()
-    ctx = EngineContext(config, None, 128, frozenset(), 100, shared={"batcher": batcher})
+    ctx = EngineContext(config, None, 128, frozenset(), 100, scheduler=batcher)
     stage = BreakerStage(config, clock=clock)
     await stage.start(ctx)
     return stage, batcher, ctx
@@ -296,15 +296,3 @@ async def test_retry_after_follows_recent_throughput() -> None:
     with pytest.raises(Overloaded) as info:
         await stage.handle(_request(50), _enqueue_into(batcher))
     assert info.value.retry_after == pytest.approx(0.1)  # 60 + 50 - 100 = 10 tokens at 100 tokens/s
-
-
-async def test_the_batchers_own_bound_is_counted_with_a_real_hint() -> None:
-    stage, _, _ = await _make(Clock())
-
-    async def full(request: Request) -> None:
-        raise Overloaded("batcher queue full", retry_after=123.0)
-
-    with pytest.raises(Overloaded) as info:
-        await stage.handle(_request(), full)
-    assert info.value.retry_after == 1.0  # no throughput yet: the fallback
-    assert stage.queue_rejections == 1 and stage.queued() == 0

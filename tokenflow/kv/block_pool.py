@@ -5,15 +5,18 @@ indices into it. Every operation is O(1) per block: the free ids sit on a
 stack, and a per-block reference count answers "is this block in use?"
 without scanning.
 
-The request-level methods (`match_prefix`, `commit`, `release`) are what the
-batcher calls; here they only hand out and take back a request's blocks.
-`TokenPool` (`token_pool.py`) overrides them to share cached prefix blocks.
+The request-level methods (`lookup_prefix` / `take_prefix`, `commit`,
+`release`) are what the scheduler calls; here they only hand out and take back
+a request's blocks. `PrefixCache` (`prefix_cache.py`) overrides them to share
+cached prefix blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
+
+from tokenflow.protocols import PrefixHit
 
 if TYPE_CHECKING:
     from tokenflow.request import Request
@@ -126,11 +129,20 @@ class BlockPool:
         self._free.append(block_id)
 
     # -- request level: what the batcher calls ------------------------------------
-    def match_prefix(self, request: Request) -> bool:
-        """Give a request about to be admitted the cached blocks of its prefix (none here).
+    def lookup_prefix(self, request: Request) -> PrefixHit | None:
+        """The cached prefix a request about to be admitted may share (none here); None means "wait, it
+        is loading from a lower tier". A query: nothing changes until `take_prefix`."""
+        return PrefixHit([], 0)
 
-        Returns False when the request should wait (its prefix is being loaded from a lower tier).
-        """
+    def take_prefix(self, request: Request, hit: PrefixHit) -> None:
+        """Start `request` after `hit`: it references the hit's blocks (nothing to take here)."""
+
+    def match_prefix(self, request: Request) -> bool:
+        """`lookup_prefix` then `take_prefix` at once (for callers that admit unconditionally)."""
+        hit = self.lookup_prefix(request)
+        if hit is None:
+            return False
+        self.take_prefix(request, hit)
         return True
 
     def commit(self, request: Request) -> None:

@@ -6,9 +6,10 @@ Every block is in one of three states, and `used + free + cached == total`:
   see `block_hash.py`); the eviction policy orders these;
 - free: unreferenced and holding nothing worth keeping.
 
-When a request is admitted, `match_prefix` walks the keys of its full prompt
-blocks and takes a reference on each resident block whose key, parent and
-tokens all match: its prefill starts after them. As a request's blocks fill,
+When a request is about to be admitted, `lookup_prefix` walks the keys of its
+full prompt blocks and finds each resident block whose key, parent and tokens
+all match; once the scheduler admits it, `take_prefix` references them and its
+prefill starts after them. As a request's blocks fill,
 `commit` registers them under their keys so later requests can share them;
 when it ends, `release` drops its references and its unshared blocks become
 cached. Allocation takes free blocks first and then evicts cached ones, in
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenflow.kv.block_hash import BlockKey, block_keys, prefix_root
 from tokenflow.kv.block_pool import BlockPool, OutOfBlocks
+from tokenflow.protocols import PrefixHit
 
 if TYPE_CHECKING:
     import torch
@@ -42,14 +44,14 @@ if TYPE_CHECKING:
     from tokenflow.kv.kv_cache import KVCache
     from tokenflow.request import Request
 
-__all__ = ("TokenPool", "create")
+__all__ = ("PrefixCache", "TokenPool", "create")
 
 log = logging.getLogger("tokenflow")
 
 BlockListener = Callable[[int, BlockKey], None]
 
 
-class TokenPool(BlockPool):
+class PrefixCache(BlockPool):
     def __init__(
         self, num_blocks: int, block_size: int, *, policy: EvictionPolicy, prefix_caching: bool = True,
         model_key: bytes = b"", kv: KVCache | None = None,
@@ -132,9 +134,11 @@ class TokenPool(BlockPool):
             blocks.append(block)
         return blocks
 
-    def match_prefix(self, request: Request) -> bool:
+    def lookup_prefix(self, request: Request) -> PrefixHit | None:
+        """The resident prefix `request` may share; None while a lower tier loads the rest of it (lower
+        tiers are asked in order for what the pool lacks). Changes no request state."""
         if not self.prefix_caching or request.block_table:
-            return True
+            return PrefixHit([], 0)
         for tier in self.lower_tiers:
             tier.poll()
         keys = self.prefix_keys(request)
@@ -143,23 +147,26 @@ class TokenPool(BlockPool):
             if len(hits) == len(keys):
                 break
             if tier.begin_load(request, keys[len(hits):]):
-                return False  # the rest of its prefix is on its way from this tier
+                return None  # the rest of its prefix is on its way from this tier
             hits = self.resident_prefix(keys)  # installing its load may have evicted or added blocks
-        for block in hits:
+        unreferenced = sum(1 for b in hits if self._ref_count[b] == 0)
+        return PrefixHit(hits, len(hits) * self.block_size, unreferenced)
+
+    def take_prefix(self, request: Request, hit: PrefixHit) -> None:
+        """Admit `request` after its cached prefix: reference the hit's blocks, drop its pins."""
+        for block in hit.blocks:
             self._reference(block)
         if request.pinned_blocks:
             self.free(request.pinned_blocks)
             request.pinned_blocks = []
-        request.block_table = hits
-        request.num_committed_blocks = len(hits)
-        request.num_computed_tokens = len(hits) * self.block_size
-        if request.num_preemptions == 0:
-            # Counted once per request, at its latest try (an admission that found no room is undone).
-            self.queried_tokens += request.num_prompt_tokens - request.extras.get("prefix_queried", 0)
+        request.block_table = list(hit.blocks)
+        request.num_committed_blocks = len(hit.blocks)
+        request.num_computed_tokens = hit.num_tokens
+        if request.num_preemptions == 0:  # counted once per request, at its admission
+            self.queried_tokens += request.num_prompt_tokens - request.num_prefix_queried_tokens
             self.hit_tokens += request.num_computed_tokens - request.num_cached_tokens
-            request.extras["prefix_queried"] = request.num_prompt_tokens
+            request.num_prefix_queried_tokens = request.num_prompt_tokens
             request.num_cached_tokens = request.num_computed_tokens
-        return True
 
     def commit(self, request: Request) -> None:
         if not self.prefix_caching:
@@ -254,6 +261,9 @@ class TokenPool(BlockPool):
         return stats
 
 
+TokenPool = PrefixCache  # the old name
+
+
 def _notify(listeners: list[BlockListener], block: int, key: BlockKey) -> None:
     """Call every listener; one that fails is logged and never breaks the pool."""
     for listener in listeners:
@@ -265,11 +275,11 @@ def _notify(listeners: list[BlockListener], block: int, key: BlockKey) -> None:
 
 def create(
     config: Any, *, num_blocks: int, block_size: int, model_key: bytes = b"", kv: KVCache | None = None
-) -> TokenPool:
+) -> PrefixCache:
     """The stage factory; the paged backend calls it once it knows the pool's size."""
     from tokenflow import registry
 
     policy = registry.load_policy(config.eviction_policy, config)
-    return TokenPool(
+    return PrefixCache(
         num_blocks, block_size, policy=policy, prefix_caching=config.prefix_caching, model_key=model_key, kv=kv
     )

@@ -17,7 +17,6 @@ from tokenflow.output.detokenizer import IncrementalDetokenizer
 from tokenflow.output.stops import StopStringMatcher
 from tokenflow.params import Chunk, TokenLogprob, Usage
 from tokenflow.request import Request
-from tokenflow.stages.response_tier import RECORD
 
 __all__ = ("OutputProcessor",)
 
@@ -31,12 +30,12 @@ class OutputProcessor:
     def prepare(self, request: Request) -> None:
         """Attach the per-request detokenizer and stop matcher before it runs."""
         params = request.params
-        request.extras["detokenizer"] = IncrementalDetokenizer(
+        request.detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             prompt_token_ids=request.prompt_token_ids or (),
             skip_special_tokens=params.skip_special_tokens,
         )
-        request.extras["stops"] = (
+        request.stop_matcher = (
             StopStringMatcher(params.stop, include_stop=params.include_stop_str_in_output) if params.stop else None
         )
 
@@ -58,8 +57,9 @@ class OutputProcessor:
             finish = "stop"
             request.stop_reason = token_id if token_id in request.stop_token_ids else None
         else:
-            text = request.extras["detokenizer"].push(token_id)
-            stops: StopStringMatcher | None = request.extras["stops"]
+            assert request.detokenizer is not None
+            text = request.detokenizer.push(token_id)
+            stops = request.stop_matcher
             if stops is not None:
                 text, matched = stops.feed(text)
                 if matched is not None:
@@ -91,8 +91,9 @@ class OutputProcessor:
         """Text held back at the end; and the stop string if one completes only in that tail."""
         if stopped_by_string:
             return "", None  # text after a stop string is dropped
-        tail = request.extras["detokenizer"].flush()
-        stops: StopStringMatcher | None = request.extras["stops"]
+        assert request.detokenizer is not None
+        tail = request.detokenizer.flush()
+        stops = request.stop_matcher
         if stops is None:
             return tail, None
         tail, matched = stops.feed(tail)
@@ -107,7 +108,7 @@ class OutputProcessor:
             chunk.finish_reason = finish  # type: ignore[assignment]
             chunk.stop_reason = request.stop_reason
             chunk.usage = usage_of(request)
-        record = request.extras.get(RECORD)
+        record = request.response_record
         if record is not None:  # the response cache keeps its own copy (the collector merges chunks in place)
             record.append(msgspec.structs.replace(chunk, token_ids=list(chunk.token_ids)))
         request.collector.put(chunk)

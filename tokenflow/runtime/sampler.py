@@ -25,6 +25,7 @@ from itertools import chain
 
 import torch
 
+from tokenflow.errors import EngineError, InvalidRequest
 from tokenflow.params import SamplingParams, TokenLogprob
 from tokenflow.request import Request
 
@@ -54,6 +55,12 @@ class RowFailure:
     reason: str
     model_fault: bool
 
+    def error(self) -> Exception:
+        """The error its request fails with: an engine fault, or the caller's parameters."""
+        if self.model_fault:
+            return EngineError(f"sampling failed: {self.reason}")
+        return InvalidRequest(f"sampling failed: {self.reason}", field="params")
+
 
 @dataclass(slots=True)
 class SamplerOutput:
@@ -79,7 +86,7 @@ def row_of(request: Request) -> SamplingRow:
         params=request.params,
         prompt_token_ids=request.prompt_token_ids or [],
         output_token_ids=request.output_token_ids,
-        generator=request.extras.get("generator"),
+        generator=request.generator,
         stop_token_ids=request.stop_token_ids,
     )
 

@@ -1,4 +1,4 @@
-"""The `batcher` stage: who runs each step.
+"""The `batcher` stage: the scheduler, who runs each step and what each step changed.
 
 Step-level scheduling (the `paged` backend) follows one rule, as in vLLM v1:
 there are no prefill and decode phases; every step each running request's
@@ -16,32 +16,49 @@ keeping its generated tokens; the sequence limit drops to what fit and
 grows back one per step once KV use is under the low watermark.
 
 With prefix caching, admission first asks the pool for the request's cached
-prefix (`match_prefix`): shared blocks need no compute and no new memory. A
+prefix (`lookup_prefix`, a query): shared blocks need no compute and no new
+memory, and the request takes them (`take_prefix`) only once it fits. A
 request whose prefix is still loading from the disk tier waits and the ones
-behind it go first, so the batcher prefers requests whose prefix is resident.
+behind it go first, so the scheduler prefers requests whose prefix is resident.
+
+After each step `update_from_output` advances every chunk's computed tokens,
+keeps the verified part of each draft and hands the sampled tokens to the
+output processor one by one, finishing the requests that end: the scheduler
+is the only part that changes scheduling state.
 
 With `speculative_tokens`, a decoding greedy request (while at most
 `speculative_max_seqs` run) gets a draft of guessed next tokens from n-gram
 lookup in its own context (`tokenflow.scheduler.ngram`), scheduled with
 its last token in the same chunk, when budget and free blocks allow.
 
-Static batching (the `hf` backend) takes a batch of waiting requests from one
-prompt-length bucket so padding stays small.
+Static batching (the `hf` backend, `static.py`) takes a batch of waiting
+requests from one prompt-length bucket so padding stays small.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from tokenflow.config import EngineConfig
-from tokenflow.errors import InvalidRequest, Overloaded
-from tokenflow.protocols import EngineContext, ScheduledChunk, StepPlan
+from tokenflow.errors import InvalidRequest
+from tokenflow.protocols import (
+    EngineContext,
+    KVPool,
+    ScheduledChunk,
+    StepOutput,
+    StepPlan,
+    StepResult,
+    TokenItem,
+    TokenSink,
+)
 from tokenflow.request import Request, RequestStatus
-from tokenflow.scheduler.ngram import can_speculate, propose_draft
+from tokenflow.scheduler.ngram import accepted_tokens, can_speculate, propose_draft
+from tokenflow.scheduler.static import take_bucketed_batch
 
-__all__ = ("BucketingBatcher", "create")
+__all__ = ("BucketingBatcher", "Scheduler", "create")
 
 
 def _order(request: Request) -> tuple[int, float]:
@@ -49,7 +66,9 @@ def _order(request: Request) -> tuple[int, float]:
     return (request.params.priority, request.arrival_time)
 
 
-class BucketingBatcher:
+class Scheduler:
+    """Continuous batching over the paged KV cache (and static batches for the `hf` backend)."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.max_batch_tokens = config.max_batch_tokens
         self.max_num_seqs = config.max_num_seqs  # hard limit; lowered for good after a device OOM
@@ -59,21 +78,23 @@ class BucketingBatcher:
         self.sink_tokens = config.sink_tokens
         self.high_watermark = config.kv_high_watermark
         self.low_watermark = config.kv_low_watermark
-        self.max_queue = config.max_queue
         self.speculative_tokens = config.speculative_tokens
         self.speculative_max_seqs = config.speculative_max_seqs
         self.bucket_edges = sorted(config.length_buckets)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.pool: Any = None  # BlockPool, when the backend is paged
+        self.pool: KVPool | None = None  # when the backend is paged
         self.max_model_len = 0
         self.num_preemptions = 0
         self.num_paused_admissions = 0
         self.admission_paused = False
         self.last_schedule_us = 0.0
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
+        self.num_tokens_taken = 0
 
     async def start(self, ctx: EngineContext) -> None:
-        self.pool = ctx.shared.get("block_pool")
+        self.pool = ctx.pool
         self.max_model_len = ctx.max_model_len
 
     def queue_key(self, request: Request) -> float | tuple[int, float]:
@@ -86,8 +107,7 @@ class BucketingBatcher:
 
     # -- queue -------------------------------------------------------------
     def add(self, request: Request) -> None:
-        if len(self.waiting) >= self.max_queue:  # a last guard: the breaker stage bounds the queue first
-            raise Overloaded(f"the waiting queue is full ({self.max_queue} requests)", retry_after=1.0)
+        """Queue `request` (the `breaker` stage bounds the queue before it gets here)."""
         if self.pool is not None:
             # A request that could never fit would be preempted forever: refuse it now.
             longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
@@ -152,16 +172,16 @@ class BucketingBatcher:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < limit:
             request = self.waiting[i]
-            if not pool.match_prefix(request):
+            hit = pool.lookup_prefix(request)
+            if hit is None:
                 i += 1  # its cached prefix is loading from a lower tier: the next ones go first
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            needed = pool.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_table)
-            # Above the high watermark new prefills wait, so running requests have room to grow.
-            paused = bool(self.running) and pool.num_used + needed > high
-            if paused or not pool.can_allocate(needed):
-                pool.release(request)  # hand its shared prefix back until it fits
-                request.num_computed_tokens = 0
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            needed = pool.blocks_needed(hit.num_tokens + num_new) - len(hit.blocks)
+            # Above the high watermark new prefills wait, so running requests have room to grow. Taking
+            # the hit moves its unreferenced blocks from cached to used, so they count on both sides.
+            paused = bool(self.running) and pool.num_used + hit.num_cached + needed > high
+            if paused or not pool.can_allocate(needed + hit.num_cached):
                 if paused:
                     self.admission_paused = True
                     self.num_paused_admissions += 1
@@ -174,7 +194,8 @@ class BucketingBatcher:
                     continue
                 break
             self.waiting.pop(i)
-            request.block_table.extend(self.pool.allocate(needed))
+            pool.take_prefix(request, hit)
+            request.block_table.extend(pool.allocate(needed))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.chunks.append(ScheduledChunk(request, num_new))
@@ -253,20 +274,60 @@ class BucketingBatcher:
             return True
         return False
 
-    # -- static batching (hf) ----------------------------------------------
-    def bucket_of(self, num_tokens: int) -> int:
-        i = bisect.bisect_left(self.bucket_edges, num_tokens)
-        return self.bucket_edges[i] if i < len(self.bucket_edges) else num_tokens
+    # -- after a step ------------------------------------------------------
+    def update_from_output(self, plan: StepPlan, output: StepOutput, sink: TokenSink) -> StepResult:
+        """Advance each chunk's computed tokens, keep the verified part of each draft, and hand the
+        sampled tokens to `sink`; finish the requests that end."""
+        result = StepResult()
+        items: list[TokenItem] = []
+        sampled = output.sampled
+        j = 0  # index of the sampling chunk
+        for chunk in plan.chunks:
+            request = chunk.request
+            samples = chunk.samples  # read before the request advances
+            # Draft positions count as computed only as their tokens are taken (in accept_tokens).
+            request.num_computed_tokens += chunk.num_tokens - len(chunk.draft)
+            if not samples:
+                continue
+            failure = sampled.failed.get(j)
+            if failure is not None:
+                result.failed.append((request, failure.error()))
+            else:
+                logprob = sampled.logprobs[j] if sampled.logprobs is not None else None
+                tokens = [sampled.token_ids[j]]
+                if chunk.draft:
+                    tokens = accepted_tokens(tokens[0], chunk.draft, output.draft_argmax[j])
+                    self.num_draft_tokens += len(chunk.draft)
+                    self.num_accepted_draft_tokens += len(tokens) - 1
+                # Every taken token but the last was also a draft position: its K/V is in the cache.
+                items.extend((request, token, logprob if k == 0 else None, k < len(tokens) - 1)
+                             for k, token in enumerate(tokens))
+            j += 1
+        taken = self.num_tokens_taken
+        result.finished = self.accept_tokens(items, sink)
+        result.num_tokens = self.num_tokens_taken - taken
+        return result
 
+    def accept_tokens(self, items: Sequence[TokenItem], sink: TokenSink) -> list[Request]:
+        """Hand each taken token to `sink` in order, skipping requests that ended meanwhile (aborted
+        during the step, or ended by an earlier token of their draft); finish those `sink` ends."""
+        finished: list[Request] = []
+        for request, token, logprob, in_cache in items:
+            if request.status is RequestStatus.FINISHED:
+                continue
+            self.num_tokens_taken += 1
+            if in_cache:
+                request.num_computed_tokens += 1
+            if sink.append(request, token, logprob):
+                self.finish(request)
+                finished.append(request)
+        return finished
+
+    # -- static batching (hf) ----------------------------------------------
     def take_batch(self) -> list[Request]:
         """The oldest request of the best priority, plus waiting requests of its length bucket."""
-        if not self.waiting:
-            return []
-        head = self.waiting[0]
-        bucket = self.bucket_of(head.num_prompt_tokens)
-        batch = [r for r in self.waiting if self.bucket_of(r.num_prompt_tokens) == bucket][: self.max_num_seqs]
+        batch = take_bucketed_batch(self.waiting, self.bucket_edges, self.max_num_seqs)
         for request in batch:
-            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
         return batch
@@ -282,8 +343,13 @@ class BucketingBatcher:
             "kv_usage": round(self.pool.num_used / self.pool.num_blocks, 4) if self.pool is not None else 0.0,
             "max_batch_tokens_effective": self.max_batch_tokens,
             "schedule_us": round(self.last_schedule_us, 1),
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
         }
 
 
-def create(config: EngineConfig) -> BucketingBatcher:
-    return BucketingBatcher(config)
+BucketingBatcher = Scheduler  # the old name
+
+
+def create(config: EngineConfig) -> Scheduler:
+    return Scheduler(config)

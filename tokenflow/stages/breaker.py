@@ -44,8 +44,9 @@ from typing import Any
 
 from tokenflow.config import EngineConfig
 from tokenflow.errors import Overloaded
-from tokenflow.protocols import EngineContext, NextStage
-from tokenflow.request import Request
+from tokenflow.protocols import EngineContext, NextStage, Scheduler, StaticScheduler
+from tokenflow.rates import RateWindow
+from tokenflow.request import Request, RequestSlot
 
 __all__ = ("BreakerStage", "create")
 
@@ -56,7 +57,6 @@ _RATE_WINDOW_S = 10.0  # completions counted for the throughput behind retry-aft
 _MIN_RETRY_S = 0.05
 _MAX_RETRY_S = 60.0
 _FALLBACK_RETRY_S = 1.0  # no throughput measured yet
-_T0 = "breaker_t0"  # request.extras key: admission time, for probe latency
 
 
 class BreakerStage:
@@ -72,8 +72,8 @@ class BreakerStage:
         self.open_s = config.breaker_open_s
         self.num_probes = config.breaker_probes
         self._clock = clock
-        self._batcher_name = config.batcher
-        self.batcher: Any = None
+        self._admitted_at = RequestSlot[float]("breaker admission time")  # for the latency behind retry hints
+        self.scheduler: Scheduler | StaticScheduler | None = None
         self.state = CLOSED
         self.opened_at = 0.0
         self.trip_reason = ""
@@ -84,16 +84,15 @@ class BreakerStage:
         self._probes: set[Request] = set()
         self._probe_successes = 0
         self._admitting = 0
-        self._completions: collections.deque[tuple[float, int]] = collections.deque()  # (time, prompt tokens)
-        self._started = clock()
+        self._completions = RateWindow(_RATE_WINDOW_S, clock)  # completed requests, by prompt tokens
         self._latency_s: float | None = None  # moving average of completed requests' latency
         self.breaker_rejections = 0
         self.breaker_trips = 0
         self.queue_rejections = 0
 
     async def start(self, ctx: EngineContext) -> None:
-        self.batcher = ctx.shared.get(self._batcher_name)
-        self._started = self._clock()
+        self.scheduler = ctx.scheduler
+        self._completions = RateWindow(_RATE_WINDOW_S, self._clock)
         ctx.observers.append(self)
 
     # -- the request path -------------------------------------------------------
@@ -103,14 +102,10 @@ class BreakerStage:
         self._check_queue(request)
         if probe:
             self._probes.add(request)
-        request.extras[_T0] = now
+        self._admitted_at.set(request, now)
         self._admitting += 1
         try:
             await call_next(request)
-        except Overloaded as exc:  # the batcher's own bound, a last guard: count it and give a real hint
-            self.queue_rejections += 1
-            exc.retry_after = _drain_time(1, self._rates()[0])
-            raise
         finally:
             self._admitting -= 1
         if self.max_queue_tokens is not None:
@@ -161,12 +156,12 @@ class BreakerStage:
 
     # -- queue accounting -------------------------------------------------------
     def queued(self) -> int:
-        """Requests let through and not yet running: on the request path or in the batcher's queue."""
-        return self._admitting + len(getattr(self.batcher, "waiting", ()))
+        """Requests let through and not yet running: on the request path or in the scheduler's queue."""
+        return self._admitting + (len(self.scheduler.waiting) if self.scheduler is not None else 0)
 
     def waiting_tokens(self) -> int:
         """Tokens the waiting queue still has to prefill (O(queue); only with `max_queue_tokens`)."""
-        return sum(_backlog(r) for r in getattr(self.batcher, "waiting", ()))
+        return sum(_backlog(r) for r in self.scheduler.waiting) if self.scheduler is not None else 0
 
     # -- the observer ------------------------------------------------------------
     def on_step(self, duration_s: float, ok: bool) -> None:
@@ -206,9 +201,8 @@ class BreakerStage:
                     self._close()
 
     def _note_completion(self, request: Request, now: float) -> None:
-        self._completions.append((now, request.num_prompt_tokens))
-        self._prune(now)
-        t0 = request.extras.get(_T0)
+        self._completions.add(request.num_prompt_tokens)
+        t0 = self._admitted_at.pop(request)
         if t0 is not None:
             latency = now - t0
             average = self._latency_s
@@ -260,16 +254,7 @@ class BreakerStage:
     # -- hints and stats -------------------------------------------------------------
     def _rates(self) -> tuple[float, float]:
         """Recent completions per second, and their prompt tokens per second."""
-        self._prune(self._clock())
-        span = min(_RATE_WINDOW_S, self._clock() - self._started)
-        if not self._completions or span <= 0:
-            return 0.0, 0.0
-        return len(self._completions) / span, sum(t for _, t in self._completions) / span
-
-    def _prune(self, now: float) -> None:
-        recent = self._completions
-        while recent and now - recent[0][0] > _RATE_WINDOW_S:
-            recent.popleft()
+        return self._completions.rates()
 
     def step_p95_ms(self) -> float | None:
         if not self._steps:

@@ -29,7 +29,7 @@ class Prefetcher:
         self.pool: Any = None
 
     async def start(self, ctx: EngineContext) -> None:
-        self.pool = ctx.shared.get("block_pool")
+        self.pool = ctx.pool
 
     async def handle(self, request: Request, call_next: NextStage) -> None:
         tiers = getattr(self.pool, "lower_tiers", ())

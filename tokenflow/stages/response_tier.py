@@ -15,6 +15,7 @@ does not check or decode is dropped.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import logging
 from collections.abc import Iterable
@@ -24,11 +25,11 @@ import cachetools
 import msgspec
 
 from tokenflow.params import Chunk
-from tokenflow.protocols import notify_request_end
-from tokenflow.request import Request, RequestStatus
+from tokenflow.protocols import EngineContext, NextStage, notify_request_end
+from tokenflow.request import Request, RequestSlot, RequestStatus
 
 __all__ = (
-    "RECORD", "ResponseCache", "StoredResponse", "decode_response", "recorded_response", "replay", "response_key",
+    "ResponseCache", "ResponseTier", "StoredResponse", "decode_response", "recorded_response", "replay", "response_key",
     "serving_key", "start_recording", "wants_cached_response",
 )
 
@@ -37,7 +38,6 @@ log = logging.getLogger("tokenflow")
 _NOT_IN_KEY = frozenset({"priority", "timeout", "deadline", "cache_response"})
 # Engine settings that change an answer for the same request (a prompt's rendering or its default length).
 _ANSWER_SETTINGS = ("default_max_tokens", "clamp_max_tokens", "allow_special_tokens_in_chat")
-RECORD = "response_record"  # request.extras: the chunks emitted so far (output.py appends), for response caches
 
 
 class StoredResponse(msgspec.Struct):
@@ -90,12 +90,13 @@ def wants_cached_response(request: Request, default: bool) -> bool:
 
 def start_recording(request: Request) -> None:
     """Keep a copy of every chunk the request emits, for `recorded_response` when it completes."""
-    request.extras.setdefault(RECORD, [])
+    if request.response_record is None:
+        request.response_record = []
 
 
 def recorded_response(request: Request) -> StoredResponse | None:
     """The completed request as a stored response; None unless it was recorded and ended normally."""
-    chunks = request.extras.get(RECORD)
+    chunks = request.response_record
     if not chunks or request.finish_reason not in ("stop", "length"):
         return None
     return StoredResponse(request.prompt_token_ids, chunks)
@@ -130,8 +131,6 @@ class ResponseCache:
         self.memory: cachetools.TTLCache[str, bytes] = cachetools.TTLCache(maxsize=size, ttl=ttl_s)
         self.memory_hits = 0
         self.disk_hits = 0
-        self.misses = 0
-        self.stores = 0
 
     def get_memory(self, key: str) -> StoredResponse | None:
         raw = self.memory.get(key)
@@ -152,14 +151,70 @@ class ResponseCache:
     def encode(self, key: str, stored: StoredResponse) -> bytes:
         raw = msgspec.json.encode(stored)
         self.memory[key] = raw
-        self.stores += 1
         return raw
 
     def stats(self) -> dict[str, Any]:
         return {
             "response_cache_memory_hits": self.memory_hits,
             "response_cache_disk_hits": self.disk_hits,
-            "response_cache_misses": self.misses,
-            "response_cache_stores": self.stores,
             "response_cache_entries": len(self.memory),
         }
+
+
+class ResponseTier(abc.ABC):
+    """A request stage that answers deterministic requests from a store of whole responses (the disk
+    tier, a plugin's shared store): the lookup, replay, recording and storing are here; a subclass
+    says how to `lookup_response` and `store_response`.
+
+    Call `start_responses(ctx)` from `start`: it registers the stage as an observer, since a response
+    is stored when its request completes (`on_request_end`)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.serving_key = b""
+        self.observers: list[Any] = []
+        self.response_hits = 0
+        self.response_misses = 0
+        self.response_stores = 0
+        self._store_under = RequestSlot[str]("response key to store under")  # a miss here: store it here
+
+    def start_responses(self, ctx: EngineContext) -> None:
+        self.serving_key = ctx.serving_key or ctx.model_key
+        self.observers = ctx.observers
+        ctx.observers.append(self)
+
+    @abc.abstractmethod
+    async def lookup_response(self, key: str) -> StoredResponse | None:
+        """The stored response under `key`, checked; None on a miss (or when the store is unavailable)."""
+
+    @abc.abstractmethod
+    def store_response(self, key: str, stored: StoredResponse) -> None:
+        """Keep `stored` under `key`; called on the event loop, so hand slow work to a thread."""
+
+    def might_answer(self, key: str) -> bool:
+        """Event loop, no I/O: whether looking `key` up is worth it (e.g. False while a store is down)."""
+        return True
+
+    async def handle(self, request: Request, call_next: NextStage) -> None:
+        key = response_key(self.serving_key, request) if wants_cached_response(
+            request, self.config.response_cache) else None
+        if key is not None and self.might_answer(key):
+            stored = await self.lookup_response(key)
+            if stored is not None:
+                self.response_hits += 1
+                replay(request, stored, self.observers)
+                return
+            self.response_misses += 1
+            start_recording(request)
+            self._store_under.set(request, key)
+        await call_next(request)
+
+    def on_step(self, duration_s: float, ok: bool) -> None:  # noqa: B027 (an observer needs it; nothing to do)
+        pass
+
+    def on_request_end(self, request: Request, outcome: str) -> None:
+        key = self._store_under.pop(request)
+        stored = recorded_response(request) if key is not None and outcome == "completed" else None
+        if stored is not None:
+            self.response_stores += 1
+            self.store_response(key, stored)

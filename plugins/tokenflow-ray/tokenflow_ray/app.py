@@ -24,7 +24,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 import tokenflow
-from tokenflow.errors import EngineClosed, InvalidRequest, Overloaded, TokenflowError
+from tokenflow.plugin_api import EngineClosed, InvalidRequest, Overloaded, TokenflowError
 from tokenflow_ray.protocol import completion_body, error_body, parse_request
 from tokenflow_ray.routing import DEFAULT_MAX_IMBALANCE, DEFAULT_PREFIX_CHARS, PrefixAffinityRouter
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenflow import Completion
-from tokenflow.errors import InvalidRequest, Overloaded, TokenflowError
-from tokenflow.integrations import openai_app
+from tokenflow import plugin_api
+from tokenflow.plugin_api import Completion, InvalidRequest, Overloaded, TokenflowError
 
 __all__ = ("completion_body", "error_body", "parse_request")
 
@@ -27,7 +26,7 @@ def parse_request(body: Any, chat: bool) -> tuple[Any, dict[str, Any]]:
     """
     if isinstance(body, dict) and body.get("stream"):
         raise InvalidRequest("streaming is not supported by this deployment", field="stream")
-    prompt, kwargs = openai_app.parse_request(body, chat)
+    prompt, kwargs = plugin_api.parse_request(body, chat)
     kwargs.pop("logprobs", None)
     return prompt, kwargs
 
@@ -35,14 +34,14 @@ def parse_request(body: Any, chat: bool) -> tuple[Any, dict[str, Any]]:
 def completion_body(done: Completion, *, chat: bool, model: str, replica_id: str,
                     report_cached_tokens: bool = False) -> dict[str, Any]:
     """The OpenAI response body, plus `replica_id` (which engine replica answered)."""
-    body = openai_app.completion_body(done, chat=chat, model=model, report_cached_tokens=report_cached_tokens)
+    body = plugin_api.completion_body(done, chat=chat, model=model, report_cached_tokens=report_cached_tokens)
     return {**body, "replica_id": replica_id}
 
 
 def error_body(exc: TokenflowError) -> dict[str, Any]:
     """An OpenAI-style error body; `error.code` is the HTTP status to answer with."""
-    status, body = openai_app.error_body(exc)
+    status, body = plugin_api.error_body(exc)
     body["error"]["code"] = status
     if isinstance(exc, Overloaded):
-        body["error"]["retry_after"] = openai_app.retry_after_s(exc)
+        body["error"]["retry_after"] = plugin_api.retry_after_s(exc)
     return body

@@ -35,16 +35,7 @@ import anyio.to_thread
 import msgspec
 import torch
 
-from tokenflow.errors import ConfigError
-from tokenflow.kv.block_hash import BlockKey
-from tokenflow.kv.tiers.base import BlockTier
-from tokenflow.stages.response_tier import (
-    recorded_response,
-    replay,
-    response_key,
-    start_recording,
-    wants_cached_response,
-)
+from tokenflow.plugin_api import BlockKey, BlockTier, ConfigError, EngineContext, ResponseTier, StoredResponse
 from tokenflow_redis.store import RedisStore
 
 __all__ = ("RedisTier", "RedisTierSettings", "create")
@@ -52,7 +43,6 @@ __all__ = ("RedisTier", "RedisTierSettings", "create")
 log = logging.getLogger("tokenflow.redis")
 
 STAGE_NAME = "redis_tier"
-_KEY = "redis_response_key"  # request.extras: the response to store when it completes
 KNOWN_KEYS = 65536  # block hashes known to be in Redis, remembered so they are not offered again
 
 
@@ -70,12 +60,14 @@ class RedisTierSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     secret: str | None = None  # keys the values' MACs; every replica must share it (default: cache_secret)
 
 
-class RedisTier(BlockTier):
+class RedisTier(ResponseTier, BlockTier):
+    """A response tier and a KV tier on the shared Redis nodes."""
+
     name = "redis"
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
+        BlockTier.__init__(self)
+        ResponseTier.__init__(self, config)
         try:
             self.settings = msgspec.convert(
                 config.plugin_settings.get(STAGE_NAME, {}), RedisTierSettings, strict=False
@@ -85,16 +77,11 @@ class RedisTier(BlockTier):
         self.secret = self.settings.secret or getattr(config, "cache_secret", None)
         self.load_timeout_s = getattr(config, "tier_load_timeout_s", self.load_timeout_s)
         self.store: RedisStore | None = None
-        self.serving_key = b""
-        self.observers: list[Any] = []
         self.max_pending_writes = self.settings.max_pending_writes
         self._known: OrderedDict[bytes, None] = OrderedDict()  # block hashes known to be in Redis
         self._lock = threading.Lock()
-        self.response_hits = 0
-        self.response_misses = 0
-        self.response_stores = 0
 
-    async def start(self, ctx: Any) -> None:
+    async def start(self, ctx: EngineContext) -> None:
         if not self.secret:  # raised here, not in __init__, so the engine's caller gets the ConfigError itself
             raise ConfigError(
                 f"the redis tier needs a shared secret: set plugin_settings.{STAGE_NAME}.secret (or cache_secret) "
@@ -107,11 +94,9 @@ class RedisTier(BlockTier):
         )
         up = await anyio.to_thread.run_sync(self.store.ping)
         log.info("redis tier: %d/%d nodes answering (%s)", sum(up.values()), len(up), ", ".join(up))
-        self.serving_key = ctx.serving_key or ctx.model_key
-        self.observers = ctx.observers
-        ctx.observers.append(self)
+        self.start_responses(ctx)
         self.start_writer()
-        self.attach(ctx.shared.get("block_pool"), s.readers)
+        self.attach(ctx.pool, s.readers)
 
     async def stop(self) -> None:
         self.poll()
@@ -172,29 +157,15 @@ class RedisTier(BlockTier):
                 self._known.popitem(last=False)
 
     # -- the response tier -------------------------------------------------------------------
-    async def handle(self, request: Any, call_next: Any) -> None:
-        store = self.store
-        if store is not None and wants_cached_response(request, self.config.response_cache):
-            key = response_key(self.serving_key, request)
-            if key is not None and store.available(key):
-                stored = await anyio.to_thread.run_sync(store.get_response, key)
-                if stored is not None:
-                    self.response_hits += 1
-                    replay(request, stored, self.observers)
-                    return
-                self.response_misses += 1
-                start_recording(request)
-                request.extras[_KEY] = key
-        await call_next(request)
+    def might_answer(self, key: str) -> bool:
+        return self.store is not None and self.store.available(key)
 
-    def on_step(self, duration_s: float, ok: bool) -> None:
-        pass
+    async def lookup_response(self, key: str) -> StoredResponse | None:
+        assert self.store is not None
+        return await anyio.to_thread.run_sync(self.store.get_response, key)
 
-    def on_request_end(self, request: Any, outcome: str) -> None:
-        key = request.extras.get(_KEY)
-        stored = recorded_response(request) if key is not None and outcome == "completed" else None
-        if stored is not None and self.writer is not None and self.store is not None:
-            self.response_stores += 1
+    def store_response(self, key: str, stored: StoredResponse) -> None:
+        if self.writer is not None and self.store is not None:
             self.writer.submit(self.store.put_response, key, stored)
 
     def stats(self) -> dict[str, Any]:

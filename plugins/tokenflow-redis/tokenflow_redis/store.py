@@ -38,9 +38,17 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tokenflow.kv.block_hash import BlockKey
-from tokenflow.kv.tiers.disk_store import CorruptEntry, decode_block, decode_frame, encode_block, encode_frame, mac_key
-from tokenflow.stages.response_tier import StoredResponse, decode_response
+from tokenflow.plugin_api import (
+    BlockKey,
+    CorruptEntry,
+    StoredResponse,
+    decode_block,
+    decode_frame,
+    decode_response,
+    encode_block,
+    encode_frame,
+    mac_key,
+)
 from tokenflow_redis.ring import HashRing
 
 __all__ = ("NodeBreaker", "RedisStore")

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from tokenflow.kv.block_hash import BlockKey
-from tokenflow.request import Request, RequestStatus
+from tokenflow.request import Request, RequestSlot, RequestStatus
 
 __all__ = ("BlockTier",)
 
@@ -75,6 +75,7 @@ class BlockTier(abc.ABC):
         self._readers: ThreadPoolExecutor | None = None
         self.writer: ThreadPoolExecutor | None = None  # block writes, and any other write the tier puts behind
         self._jobs: dict[Request, _LoadJob] = {}
+        self._loaded = RequestSlot[bool]("tier load done")  # its job was installed or given up: never load twice
         self._abandoned: list[Future[Loaded]] = []  # timed-out jobs whose threads may still be busy
         self._write_lock = threading.Lock()
         self._pending_writes = 0
@@ -88,9 +89,6 @@ class BlockTier(abc.ABC):
         self.load_timeouts = 0
         self.nonfinite_blocks = 0
 
-    @property
-    def _loaded_marker(self) -> str:
-        return f"{self.name}_loaded"  # request.extras: its job was installed; never load twice
 
     def attach(self, pool: Any, readers: int) -> bool:
         """Join `pool` as its next lower tier; False (and nothing done) when it has no prefix cache."""
@@ -171,7 +169,7 @@ class BlockTier(abc.ABC):
 
     def prefetch(self, request: Request) -> bool:
         """Start loading the request's prefix now; True when a job started (or runs already)."""
-        if self.pool is None or request.extras.get(self._loaded_marker):
+        if self.pool is None or self._loaded.get(request):
             return False
         if request in self._jobs:
             return True
@@ -195,7 +193,7 @@ class BlockTier(abc.ABC):
                 return True
             self._install(job)
             return False
-        if request.extras.get(self._loaded_marker) or not keys or self._hung() or not self.might_have(keys[0]):
+        if self._loaded.get(request) or not keys or self._hung() or not self.might_have(keys[0]):
             return False
         self._start(request, keys, prefetch=False)
         return True
@@ -231,7 +229,7 @@ class BlockTier(abc.ABC):
         now = time.monotonic()
         for job in [j for j in self._jobs.values() if not j.future.done() and now - j.started >= self.load_timeout_s]:
             del self._jobs[job.request]
-            job.request.extras[self._loaded_marker] = True  # never tried again for this request
+            self._loaded.set(job.request, True)  # never tried again for this request
             self._abandoned.append(job.future)
             self.load_timeouts += 1
             log.warning("%s: a load job ran past %.1f s; abandoned, the prefix is recomputed",
@@ -247,7 +245,7 @@ class BlockTier(abc.ABC):
     def _install(self, job: _LoadJob) -> None:
         request = job.request
         del self._jobs[request]
-        request.extras[self._loaded_marker] = True
+        self._loaded.set(request, True)
         if job.prefetch and not job.late:
             self.prefetch_in_time += 1
         try:

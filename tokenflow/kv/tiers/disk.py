@@ -36,40 +36,28 @@ from tokenflow.config import EngineConfig
 from tokenflow.kv.block_hash import BlockKey
 from tokenflow.kv.tiers.base import BlockTier
 from tokenflow.kv.tiers.disk_store import DiskStore
-from tokenflow.protocols import EngineContext, NextStage
-from tokenflow.request import Request
-from tokenflow.stages.response_tier import (
-    ResponseCache,
-    recorded_response,
-    replay,
-    response_key,
-    start_recording,
-    wants_cached_response,
-)
+from tokenflow.protocols import EngineContext
+from tokenflow.stages.response_tier import ResponseCache, ResponseTier, StoredResponse
 
 __all__ = ("DiskTier", "create")
 
 log = logging.getLogger("tokenflow")
 
-_KEY = "response_key"
 
+class DiskTier(ResponseTier, BlockTier):
+    """Both a response tier (request path) and a KV tier (below the prefix cache), on one folder."""
 
-class DiskTier(BlockTier):
     name = "disk"
 
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__()
-        self.config = config
+        BlockTier.__init__(self)
+        ResponseTier.__init__(self, config)
         self.store: DiskStore | None = None
         self.responses = ResponseCache(config.response_cache_size, config.response_cache_ttl_s)
-        self.serving_key = b""
-        self.observers: list[Any] = []
         self.load_timeout_s = config.tier_load_timeout_s
 
     async def start(self, ctx: EngineContext) -> None:
-        self.serving_key = ctx.serving_key or ctx.model_key
-        self.observers = ctx.observers
-        ctx.observers.append(self)
+        self.start_responses(ctx)
         if not self.config.cache_dir:
             return
         config = self.config
@@ -78,7 +66,7 @@ class DiskTier(BlockTier):
                               secret=config.cache_secret)
         )
         self.start_writer()
-        self.attach(ctx.shared.get("block_pool"), config.prefetch_concurrency)
+        self.attach(ctx.pool, config.prefetch_concurrency)
 
     async def stop(self) -> None:
         """Write the pool's blocks not yet on disk, hottest first, and let pending writes finish, all
@@ -92,33 +80,18 @@ class DiskTier(BlockTier):
             await anyio.to_thread.run_sync(self.store.resync)
             await anyio.to_thread.run_sync(self.store.close)
 
-    # -- the request path: the response cache -------------------------------------------
-    async def handle(self, request: Request, call_next: NextStage) -> None:
-        wanted = wants_cached_response(request, self.config.response_cache)
-        key = response_key(self.serving_key, request) if wanted else None
-        if key is not None:
-            stored = self.responses.get_memory(key)
-            if stored is None and self.store is not None and self.store.available:
-                raw = await anyio.to_thread.run_sync(self.store.get_response, key)
-                stored = self.responses.decode_disk(key, raw)
-                if stored is None and raw is not None:
-                    await anyio.to_thread.run_sync(self.store.delete_response, key)
-            if stored is not None:
-                replay(request, stored, self.observers)
-                return
-            self.responses.misses += 1
-            start_recording(request)
-            request.extras[_KEY] = key
-        await call_next(request)
+    # -- the response tier -------------------------------------------------------------------
+    async def lookup_response(self, key: str) -> StoredResponse | None:
+        """Memory first, then the disk (a disk hit is promoted to memory; a bad entry deleted)."""
+        stored = self.responses.get_memory(key)
+        if stored is None and self.store is not None and self.store.available:
+            raw = await anyio.to_thread.run_sync(self.store.get_response, key)
+            stored = self.responses.decode_disk(key, raw)
+            if stored is None and raw is not None:
+                await anyio.to_thread.run_sync(self.store.delete_response, key)
+        return stored
 
-    def on_step(self, duration_s: float, ok: bool) -> None:
-        pass
-
-    def on_request_end(self, request: Request, outcome: str) -> None:
-        key = request.extras.get(_KEY)
-        stored = recorded_response(request) if key is not None and outcome == "completed" else None
-        if stored is None:
-            return
+    def store_response(self, key: str, stored: StoredResponse) -> None:
         raw = self.responses.encode(key, stored)
         if self.writer is not None and self.store is not None:
             self.writer.submit(self.store.put_response, key, raw, self.config.response_cache_ttl_s)
@@ -170,6 +143,8 @@ class DiskTier(BlockTier):
             "disk_blocks_written": self.blocks_written,
             "disk_writes_dropped": self.writes_dropped,
             **self.responses.stats(),
+            "response_cache_misses": self.response_misses,
+            "response_cache_stores": self.response_stores,
         }
         if self.store is not None:
             stats.update(self.store.stats())

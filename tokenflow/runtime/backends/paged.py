@@ -3,8 +3,8 @@
 The batcher decides the step's chunks and reserves their blocks; this
 backend turns them into the runner's `SeqChunk`s and returns the logits of
 the chunks that sample. The KV memory is sized here, at load; its bookkeeping
-is the `memory` stage named by `kv_pool` (`token_pool`: prefix caching), shared
-with the batcher and the tiers through `EngineContext.shared["block_pool"]`.
+is the `memory` stage named by `kv_pool` (`token_pool`: prefix caching), which
+the scheduler and the tiers find as `EngineContext.pool`.
 """
 
 from __future__ import annotations
@@ -99,8 +99,7 @@ class PagedBackend:
             compile_mlps(model, set(self.buckets))
         elif self.config.pack_cpu_weights:
             pack_linears(model)
-        ctx.shared["block_pool"] = self.pool
-        ctx.shared[self.config.kv_pool] = self.pool
+        ctx.pool = self.pool
         log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
                  self.kv_bytes / 2**20)
 
