@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -20,13 +21,33 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ("EngineConfig",)
+__all__ = ("AttentionPolicy", "EngineConfig")
 
 ENV_PREFIX = "TOKENFLOW_"
 # Environment variables with this prefix that are not engine settings.
 _ENV_NOT_SETTINGS = frozenset({"TOKENFLOW_HOME", "TOKENFLOW_PLUGINS", "TOKENFLOW_CONFIG", "TOKENFLOW_API_KEY"})
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
+
+
+@dataclass(frozen=True)
+class AttentionPolicy:
+    """Which keys each query reads, from the `attention`, `window`, `sink_tokens`, `topk_budget` settings:
+    one object for the scheduler (blocks it may free), the runner (what it computes) and cache keys."""
+
+    kind: Literal["dense", "sliding", "topk"] = "dense"
+    window: int | None = None  # sliding: recent tokens each query sees
+    sink_tokens: int = 0  # sliding / topk: first tokens every query also sees
+    topk_budget: int | None = None  # topk: tokens (whole blocks) each decode query reads
+
+    @property
+    def fingerprint(self) -> str:
+        """What changes the K/V a block holds (part of the prefix-cache keys)."""
+        if self.kind == "sliding":
+            return f"sliding:{self.window}:{self.sink_tokens}"
+        if self.kind == "topk":
+            return f"topk:{self.topk_budget}:{self.sink_tokens}"
+        return "dense"
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -112,6 +133,14 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
             raise ValueError(f"`device` must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.speculative_tokens and self.attention != "dense":
             raise ValueError("`speculative_tokens` needs attention='dense'")
+
+    @property
+    def attention_policy(self) -> AttentionPolicy:
+        sinks = self.sink_tokens if self.attention != "dense" else 0
+        return AttentionPolicy(
+            self.attention, window=self.window if self.attention == "sliding" else None, sink_tokens=sinks,
+            topk_budget=self.topk_budget if self.attention == "topk" else None,
+        )
 
     @classmethod
     def load(

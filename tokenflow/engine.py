@@ -103,10 +103,7 @@ class Engine:
     async def _start_on(self, model_thread: ModelThread, path: Any) -> None:
         config = self.config
         loaded = await model_thread.run(load_model, path, config)
-        policy = {
-            "dense": "dense", "sliding": f"sliding:{config.window}:{config.sink_tokens}",
-            "topk": f"topk:{config.topk_budget}:{config.sink_tokens}",
-        }[config.attention]
+        policy = config.attention_policy.fingerprint
         fingerprint = await model_thread.run(model_key, loaded.model, config.block_size, policy)
         ctx = EngineContext(
             config, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size, fingerprint

@@ -63,6 +63,7 @@ from tokenflow.protocols import (
     KVPool,
     ModelBackend,
     NextStage,
+    PrefixHit,
     RequestStage,
     ScheduledChunk,
     Scheduler,
@@ -71,6 +72,8 @@ from tokenflow.protocols import (
     StepBackend,
     StepOutput,
     StepPlan,
+    StepResult,
+    TokenItem,
     TokenSink,
     notify_request_end,
 )
@@ -87,12 +90,13 @@ from tokenflow.stages.response_tier import (
 __all__ = (
     "Batcher", "BlockKey", "BlockTier", "Chunk", "Completion", "ConfigError", "CorruptEntry", "DeadlineExceeded",
     "EngineClosed", "EngineConfig", "EngineContext", "EngineError", "EngineObserver", "EvictionPolicy",
-    "InvalidRequest", "KVPool", "ModelBackend", "ModelLoadError", "NextStage", "Overloaded", "PluginError", "Request",
-    "RequestSlot", "RequestStage", "RequestStatus", "ResponseTier", "SamplingParams", "ScheduledChunk", "Scheduler",
-    "StaticBackend", "StaticScheduler", "StepBackend", "StepOutput", "StepPlan", "StoredResponse", "TokenLogprob",
-    "TokenSink", "TokenflowError", "Usage", "block_keys", "completion_body", "decode_block", "decode_frame",
-    "decode_response", "encode_block", "encode_frame", "error_body", "mac_key", "notify_request_end", "parse_request",
-    "prefix_root", "read_block", "replay", "response_key", "retry_after_s", "wants_cached_response",
+    "InvalidRequest", "KVPool", "ModelBackend", "ModelLoadError", "NextStage", "Overloaded", "PluginError",
+    "PrefixHit", "Request", "RequestSlot", "RequestStage", "RequestStatus", "ResponseTier", "SamplingParams",
+    "ScheduledChunk", "Scheduler", "StaticBackend", "StaticScheduler", "StepBackend", "StepOutput", "StepPlan",
+    "StepResult", "StoredResponse", "TokenItem", "TokenLogprob", "TokenSink", "TokenflowError", "Usage",
+    "block_keys", "completion_body", "decode_block", "decode_frame", "decode_response", "encode_block",
+    "encode_frame", "error_body", "mac_key", "notify_request_end", "parse_request", "prefix_root", "read_block",
+    "replay", "response_key", "retry_after_s", "wants_cached_response",
 )
 
 # The OpenAI body helpers need the `server` extra (starlette): imported on first use.

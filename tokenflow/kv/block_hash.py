@@ -42,8 +42,8 @@ class BlockKey:
 def model_key(model: Any, block_size: int, attention: str = "dense") -> bytes:
     """A fingerprint of everything that shapes a block's K/V: the model's config, dtype, block size,
     the attention policy (a window changes every later layer's K/V), and every byte of every weight
-    (a CRC-32 per tensor, ~3 GB/s: two checkpoints that differ in one value never share keys). Stable
-    across processes, so a disk tier written by one engine serves the next."""
+    (a CRC-32 per tensor, one fast pass over the weights: two checkpoints that differ in one value never
+    share keys). Stable across processes, so a disk tier written by one engine serves the next."""
     import torch
 
     h = hashlib.blake2b(digest_size=_DIGEST, person=b"tokenflow-model")

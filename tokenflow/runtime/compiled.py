@@ -8,10 +8,10 @@ Qwen / Mistral shape) then runs through one `torch.compile`d function that
 takes the weights as arguments: one graph per bucket shared by all layers,
 not one per layer. On CUDA the mode is `reduce-overhead` (CUDA graphs).
 
-Attention stays eager: its context length changes every step. Measured on
-the 2-core CPU (SmolLM2 MLP shapes, one thread): eager 0.49 ms vs compiled
-0.67 ms at batch 1, 1.45 vs 1.50 ms at 16, and ~20 s to compile: so the
-default is off (`tokenflow bench-step` measures the whole step).
+Attention stays eager: its context length changes every step. Off by default:
+on CPU the MLP's time is in its matrix products, which compiling does not
+speed up (it only fuses the small elementwise part), while the padding adds
+rows and compiling delays startup; `tokenflow bench-step` measures both.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def load_model(path: Path, config: EngineConfig) -> LoadedModel:
 
     model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
     max_model_len = min(config.max_model_len or model_len, model_len)
-    if config.attention == "sliding" and config.max_model_len:
+    if config.attention_policy.window is not None and config.max_model_len:
         max_model_len = config.max_model_len  # distances stay within the window: past the trained context is fine
     elif config.max_model_len and config.max_model_len > model_len:
         log.warning("max_model_len=%d is beyond the model's %d; using %d", config.max_model_len, model_len, model_len)

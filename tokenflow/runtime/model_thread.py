@@ -4,12 +4,10 @@ Why one thread: on the CPU, torch's OpenMP runtime keeps a team of helper
 threads for each thread that runs a parallel op. anyio's worker pool hands
 each call to whichever worker is idle, so model work spread over several
 workers leaves more OpenMP threads than cores, and libgomp then throttles
-its spin-waits: every parallel region pays a sleep and a wake-up. Measured
-on the 2-core CPU with SmolLM2-135M fp32, the MLPs and output head of a
-one-token step took 24-28 ms on a single thread and 49-57 ms once a second
-thread had run a parallel op first. So the engine loads the model, builds
-the KV cache and runs every step on this one thread (`run`), and nothing
-else in the engine runs large torch ops (see `KVCache.read_block`).
+its spin-waits: every parallel region pays a sleep and a wake-up. So the
+engine loads the model, builds the KV cache and runs every step on this one
+thread (`run`), and nothing else in the engine runs large torch ops (see
+`KVCache.read_block`).
 
 The thread is an anyio worker thread kept for the engine's lifetime, so
 results come back to the event loop through `anyio.from_thread` (asyncio and

@@ -56,6 +56,33 @@ class SeqChunk:
     num_logits: int = 1  # with `sample`: logits of this many last tokens (a draft being verified)
 
 
+class _PackedRows:
+    """The packed step's rows as chunks are added: token ids, positions and KV cache slots."""
+
+    __slots__ = ("block_size", "ids", "last_row", "pos", "slots")
+
+    def __init__(self, block_size: int, num_chunks: int) -> None:
+        self.block_size = block_size
+        self.ids: list[int] = []
+        self.pos: list[int] = []
+        self.slots: list[int] = []
+        self.last_row = [0] * num_chunks  # packed row of each chunk's last token
+
+    def add(self, index: int, c: SeqChunk) -> int:
+        """Append chunk `index`'s tokens; returns its first row."""
+        bs = self.block_size
+        first = len(self.ids)
+        s, e = c.start_pos, c.start_pos + len(c.token_ids)
+        self.ids.extend(c.token_ids)
+        self.pos.extend(range(s, e))
+        table = c.block_table
+        for b in range(s // bs, -(-e // bs)):  # slots block by block, not token by token
+            base = table[b] * bs - b * bs
+            self.slots.extend(range(base + max(s, b * bs), base + min(e, (b + 1) * bs)))
+        self.last_row[index] = len(self.ids) - 1
+        return first
+
+
 @dataclass(slots=True)
 class PackedStep:
     """Model inputs for one step (what `execute` feeds to the model)."""
@@ -183,11 +210,9 @@ class PagedModelRunner:
             raise ModelLoadError("attention='topk' needs a KV cache that tracks per-block key bounds")
         # Decodes whose contexts differ by at most this many tokens share one padded gather + SDPA;
         # farther apart, the padding would cost more than another (small) attention call. Matmul
-        # attention pays more per call than per padded key: all decodes in one group (measured with
-        # 16 decodes over 50-650 keys: 44.9 ms a step, 53.3 with this slack, 49.7 with SDPA).
+        # attention pays more per call than per padded key: all decodes in one group.
         self.decode_group_slack = math.inf if self.matmul_attention else DECODE_GROUP_SLACK
-        # Relative L2 error allowed by self_check. Correct paged attention measured 0 in bf16 and
-        # ~1e-7 in fp32 on CPU; a causal mask off by one token measured 3e-2 in bf16.
+        # Relative L2 error allowed by self_check: far above rounding, far below a mask off by one token.
         self.self_check_tolerance = 1e-4 if kv_cache.dtype == torch.float32 else 1e-2
         self.last_self_check_error: float | None = None
         previous = model.config._attn_implementation
@@ -228,7 +253,41 @@ class PagedModelRunner:
         return out.logits[0].float()  # [num_sampled, vocab]
 
     def prepare(self, chunks: Sequence[SeqChunk], kv_cache: KVCache) -> PackedStep:
-        """Pack `chunks` (decodes first, then prefill chunks) and build the step's metadata."""
+        """Pack `chunks` (decodes first, then prefill chunks, then sliding and top-k ones) and build the
+        step's metadata."""
+        decodes, prefills, sliding, sparse = self._classify(chunks)
+        rows = _PackedRows(self.block_size, len(chunks))
+        groups = self._pack_decodes(chunks, decodes, rows)
+        segments = [self._prefill_segment(chunks[i], rows.add(i, chunks[i])) for i in prefills]
+        windowed = [self._sliding_segment(chunks[i], rows.add(i, chunks[i])) for i in sliding]
+        topk = [self._topk_decode(chunks[i], rows.add(i, chunks[i])) for i in sparse]
+        context = [chunks[i].start_pos + len(chunks[i].token_ids) for i in [*decodes, *prefills, *sparse]]
+        if self.window is not None:
+            context += [min(chunks[i].start_pos + len(chunks[i].token_ids), self.window + self.sinks) for i in sliding]
+        keep = [r for i, c in enumerate(chunks) if c.sample
+                for r in range(rows.last_row[i] - c.num_logits + 1, rows.last_row[i] + 1)]
+        meta = PagedAttentionMetadata(
+            kv_cache=kv_cache,
+            slot_mapping=torch.tensor(rows.slots, dtype=torch.long, device=self.device),
+            num_tokens=len(rows.ids),
+            max_context=max(context),
+            decodes=tuple(groups),
+            prefills=tuple(segments),
+            sliding=tuple(windowed),
+            rope_inv_freq=self.rope_inv_freq,
+            topk=tuple(topk),
+            matmul_attention=self.matmul_attention,
+            native=self.native,
+        )
+        return PackedStep(
+            input_ids=torch.tensor([rows.ids], dtype=torch.long, device=self.device),
+            position_ids=torch.tensor([rows.pos], dtype=torch.long, device=self.device),
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+            meta=meta,
+        )
+
+    def _classify(self, chunks: Sequence[SeqChunk]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Check each chunk; split them into decodes, prefill chunks, sliding-window and top-k ones."""
         if not chunks:
             raise ValueError("execute() needs at least one chunk")
         bs = self.block_size
@@ -254,112 +313,50 @@ class PagedModelRunner:
                 sparse.append(i)
             else:
                 (decodes if n == 1 else prefills).append(i)
+        return decodes, prefills, sliding, sparse
 
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        last_row = [0] * len(chunks)  # packed row of each chunk's last token
-
-        # Decodes: one row each, longest context first, cut into groups of similar length.
+    def _pack_decodes(self, chunks: Sequence[SeqChunk], decodes: list[int], rows: _PackedRows) -> list[DecodeGroup]:
+        """One row each, longest context first, cut into groups of similar length."""
         decodes.sort(key=lambda i: chunks[i].start_pos, reverse=True)
         groups: list[DecodeGroup] = []
         group: list[int] = []
         for i in decodes:
-            c = chunks[i]
-            p = c.start_pos
-            if group and chunks[group[0]].start_pos - p > self.decode_group_slack:
-                groups.append(self._decode_group(chunks, group, len(ids) - len(group)))
+            if group and chunks[group[0]].start_pos - chunks[i].start_pos > self.decode_group_slack:
+                groups.append(self._decode_group(chunks, group, rows.last_row[group[0]]))
                 group = []
             group.append(i)
-            last_row[i] = len(ids)
-            ids.append(c.token_ids[0])
-            pos.append(p)
-            slots.append(c.block_table[p // bs] * bs + p % bs)
+            rows.add(i, chunks[i])
         if group:
-            groups.append(self._decode_group(chunks, group, len(ids) - len(group)))
-        nd = len(ids)
-        max_context = chunks[decodes[0]].start_pos + 1 if decodes else 0
+            groups.append(self._decode_group(chunks, group, rows.last_row[group[0]]))
+        return groups
 
-        # Prefill chunks: contiguous rows each, attended segment by segment.
-        segments: list[PrefillSegment] = []
-        row = nd
-        for i in prefills:
-            c = chunks[i]
-            s = c.start_pos
-            t = len(c.token_ids)
-            e = s + t
-            ids.extend(c.token_ids)
-            pos.extend(range(s, e))
-            table = c.block_table
-            for b in range(s // bs, -(-e // bs)):  # slots block by block, not token by token
-                base = table[b] * bs - b * bs
-                slots.extend(range(base + max(s, b * bs), base + min(e, (b + 1) * bs)))
-            block_ids = None if s == 0 else torch.tensor(table[: -(-e // bs)], dtype=torch.long, device=self.device)
-            mask = None
-            if (s > 0 or self.matmul_attention) and self.native is None:  # the native softmax masks by position
-                # [t, e] additive: row i (position s + i) sees keys j <= s + i; two cheap ops
-                mask = torch.full((t, e), float("-inf"), dtype=self.dtype, device=self.device).triu_(s + 1)
-            segments.append(PrefillSegment(row, row + t, s, e, block_ids, mask))
-            row += t
-            last_row[i] = row - 1
-            max_context = max(max_context, e)
+    def _prefill_segment(self, c: SeqChunk, row: int) -> PrefillSegment:
+        """A prefill chunk's contiguous rows, attended as one segment."""
+        bs = self.block_size
+        s, t = c.start_pos, len(c.token_ids)
+        e = s + t
+        block_ids = None if s == 0 else torch.tensor(c.block_table[: -(-e // bs)], dtype=torch.long, device=self.device)
+        mask = None
+        if (s > 0 or self.matmul_attention) and self.native is None:  # the native softmax masks by position
+            # [t, e] additive: row i (position s + i) sees keys j <= s + i; two cheap ops
+            mask = torch.full((t, e), float("-inf"), dtype=self.dtype, device=self.device).triu_(s + 1)
+        return PrefillSegment(row, row + t, s, e, block_ids, mask)
 
-        # Sliding-window chunks (context past the window): packed last, one segment each.
-        windowed: list[SlidingSegment] = []
-        for i in sliding:
-            c = chunks[i]
-            s, t = c.start_pos, len(c.token_ids)
-            ids.extend(c.token_ids)
-            pos.extend(range(s, s + t))
-            table = c.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(s, s + t))
-            assert self.window is not None
-            windowed.append(build_segment(row, s, t, table, bs, self.window, self.sinks, self.device))
-            row += t
-            last_row[i] = row - 1
-            max_context = max(max_context, min(s + t, self.window + self.sinks))
+    def _sliding_segment(self, c: SeqChunk, row: int) -> SlidingSegment:
+        """A chunk whose context is past the window: the sinks and the window only."""
+        assert self.window is not None
+        return build_segment(row, c.start_pos, len(c.token_ids), c.block_table, self.block_size, self.window,
+                             self.sinks, self.device)
 
-        # Top-k decodes (context past the budget): one row each, packed last.
-        topk: list[TopkDecode] = []
-        for i in sparse:
-            c = chunks[i]
-            p = c.start_pos
-            ids.append(c.token_ids[0])
-            pos.append(p)
-            slots.append(c.block_table[p // bs] * bs + p % bs)
-            used = -(-(p + 1) // bs)
-            assert self.topk_budget is not None
-            topk.append(TopkDecode(
-                row=row, block_ids=torch.tensor(c.block_table[:used], dtype=torch.long, device=self.device),
-                context=p + 1, keep_blocks=max(self.topk_budget // bs, RECENT_BLOCKS + 1),
-                sink_blocks=-(-self.sinks // bs),
-            ))
-            last_row[i] = row
-            row += 1
-            max_context = max(max_context, p + 1)
-
-        keep: list[int] = []
-        for i, c in enumerate(chunks):
-            if c.sample:
-                keep.extend(range(last_row[i] - c.num_logits + 1, last_row[i] + 1))
-        meta = PagedAttentionMetadata(
-            kv_cache=kv_cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_tokens=len(ids),
-            max_context=max_context,
-            decodes=tuple(groups),
-            prefills=tuple(segments),
-            sliding=tuple(windowed),
-            rope_inv_freq=self.rope_inv_freq,
-            topk=tuple(topk),
-            matmul_attention=self.matmul_attention,
-            native=self.native,
-        )
-        return PackedStep(
-            input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
-            position_ids=torch.tensor([pos], dtype=torch.long, device=self.device),
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-            meta=meta,
+    def _topk_decode(self, c: SeqChunk, row: int) -> TopkDecode:
+        """A decode whose context is past the top-k budget: it reads only its best blocks."""
+        assert self.topk_budget is not None
+        bs = self.block_size
+        used = -(-(c.start_pos + 1) // bs)
+        return TopkDecode(
+            row=row, block_ids=torch.tensor(c.block_table[:used], dtype=torch.long, device=self.device),
+            context=c.start_pos + 1, keep_blocks=max(self.topk_budget // bs, RECENT_BLOCKS + 1),
+            sink_blocks=-(-self.sinks // bs),
         )
 
     def _decode_group(self, chunks: Sequence[SeqChunk], members: list[int], q_start: int) -> DecodeGroup:

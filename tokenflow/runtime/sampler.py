@@ -6,7 +6,8 @@ greedy argmax, or temperature -> min_p -> top_k / top_p -> draw. Work no row nee
 Each sampled row draws ONE uniform (from its own generator when seeded) and inverts its own CDF, so a
 seeded row's token depends only on its logits and its generator, never on the other rows of the batch.
 Top-k / top-p rows first look at their top 64 (then 1024, 8192) candidates and fall back to a full
-sort only when the nucleus or the top-k set does not fit: sorting 256 x 49,152 takes ~1.5 s on a CPU core.
+sort only when the nucleus or the top-k set does not fit: a full sort of every row's vocabulary costs
+far more than the rest of the step on a CPU.
 Penalties touch only the logits of tokens that occurred (O(tokens), not O(rows x vocab)), and the
 `[rows, vocab]` intermediates live in scratch buffers reused across steps.
 
@@ -92,8 +93,8 @@ def row_of(request: Request) -> SamplingRow:
 
 
 class Sampler:
-    """Samples one token per row. Keeps reusable scratch buffers (fresh blocks of tens of MB are mmapped
-    and page-fault on every step, costing as much as the arithmetic), so use one Sampler per step loop:
+    """Samples one token per row. Keeps reusable scratch buffers (fresh `[rows, vocab]` blocks are
+    mmapped, so they would page-fault on every step), so use one Sampler per step loop:
     it is not thread-safe."""
 
     def __init__(self, vocab_size: int, eos_token_ids: Collection[int]) -> None:
@@ -182,7 +183,7 @@ class Sampler:
         """min_tokens mask, then repetition, frequency and presence penalties, in place on `x` (row j of
         `x` is `rows[j]`), touching only the positions of tokens that occurred. No `unique`: repeated
         positions are written the same value, and counts are accumulated in `x` itself (a parallel sort
-        of the keys costs ~100 ms when another process holds the other cores)."""
+        of the keys stalls when another process holds the other cores)."""
         vocab, dev = x.shape[1], x.device
         flat = x.view(-1)
         masked = [
@@ -347,7 +348,7 @@ def _flat_keys(
 
 def _gather_rows(src: torch.Tensor, idx: list[int], out: torch.Tensor) -> torch.Tensor:
     """`src[idx]` into `out`. Not index_select: for long rows it copies row by row, one parallel region
-    each, which costs milliseconds per row when another process holds the other cores."""
+    each, and every region stalls when another process holds the other cores."""
     index = torch.tensor(idx, device=src.device)[:, None].expand(-1, src.shape[1])
     return torch.gather(src, 0, index, out=out)
 

@@ -74,8 +74,8 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs  # hard limit; lowered for good after a device OOM
         self.seq_limit = config.max_num_seqs  # adaptive: drops to what fits after a preemption, regrows
         self.aging_s = config.priority_aging_s
-        self.window = config.window if config.attention == "sliding" else None
-        self.sink_tokens = config.sink_tokens
+        self.window = config.attention_policy.window  # sliding: blocks behind it are freed
+        self.sink_tokens = config.attention_policy.sink_tokens
         self.high_watermark = config.kv_high_watermark
         self.low_watermark = config.kv_low_watermark
         self.speculative_tokens = config.speculative_tokens

@@ -1,11 +1,8 @@
 """bf16 attention on CPU as plain bf16 matrix products (used instead of SDPA there).
 
-On the 2-core dev CPU (AVX512-BF16), torch's fused CPU attention kernel in bf16 runs at
-~50-170 GFLOPS, while bf16 matrix products run at 500-900. Writing attention as two batched
-matmuls around an fp32 softmax is faster there, measured with SmolLM2-135M shapes (9 query
-heads, 3 KV heads, head_dim 64), medians: a 496-token chunk over 696 keys 4.8 -> 1.7 ms, a
-112-token chunk over 312 keys 0.55 -> 0.25 ms, 16 decodes over 400 keys 0.34 -> 0.27 ms
-(800 keys 0.68 -> 0.48); a single decode is slower (38 -> 94 us: more ops per call).
+Why: on CPUs with bf16 matrix instructions, torch's fused CPU attention kernel in bf16 runs far
+below the bf16 GEMM peak, so two batched matmuls around an fp32 softmax do the same work faster
+for prefill chunks and batched decodes (a lone decode pays for the extra ops per call).
 
 The arithmetic is transformers' own eager attention in bf16 (scores scaled and masked in bf16,
 softmax in fp32, probabilities rounded to bf16), so the logits equal eager's bit for bit. GQA: the G query

@@ -1,7 +1,7 @@
 """The `hf` backend: plain `transformers` `generate` on a bucketed, padded batch.
 
 It works for any causal LM and is the baseline the `paged` backend is
-measured against. The batch runs to completion (the longest request decides
+compared with. The batch runs to completion (the longest request decides
 its length). tokenflow's own sampler runs inside a `LogitsProcessor`: it
 picks each row's token with that row's parameters and seeded generator, then
 leaves only that token finite, so greedy `generate` takes it. A per-row

@@ -68,6 +68,7 @@ class PagedBackend:
     def load(self, ctx: EngineContext, model: Any) -> None:
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
+        attention = self.config.attention_policy
         per_block = KVCache.bytes_per_block(model.config, self.config.block_size, dtype)
         num_blocks = kv_pool_blocks(self.config, per_block, ctx.max_model_len, device)
         layers, kv_heads, head_dim = KVCache.geometry(model.config)
@@ -76,18 +77,16 @@ class PagedBackend:
         kv_cache = KVCache(
             num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_blocks=num_blocks + extra,
             block_size=self.config.block_size, dtype=dtype, device=device,
-            track_key_bounds=self.config.attention == "topk",
+            track_key_bounds=attention.topk_budget is not None,
         )
         self.kv_bytes = per_block * (num_blocks + extra)
         self.pool = registry.load_pool(
             self.config.kv_pool, self.config, num_blocks=num_blocks, block_size=self.config.block_size,
             model_key=ctx.model_key, kv=kv_cache,
         )
-        sliding = self.config.attention == "sliding"
         self.runner = PagedModelRunner(
             model, kv_cache, max_model_len=ctx.max_model_len, self_check=self.config.self_check,
-            window=self.config.window if sliding else None, sinks=self.config.sink_tokens,
-            topk_budget=self.config.topk_budget if self.config.attention == "topk" else None,
+            window=attention.window, sinks=self.config.sink_tokens, topk_budget=attention.topk_budget,
             native_kernels=self.config.native_kernels,
         )
         # Only once the runner has accepted the model, so that a refused one is left as it came.

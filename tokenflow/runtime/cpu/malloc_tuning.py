@@ -3,9 +3,8 @@
 Why: by default glibc hands large freed blocks back to the kernel (blocks above a size it
 serves with `mmap`, and free space at the top of a heap once it passes a trim threshold).
 A CPU step allocates and frees the same activation sizes every time, so every step then
-faults the pages back in and the kernel zeroes them again. Measured on the 2-core CPU with
-SmolLM2-135M in fp32, one 512-token prefill step took ~68,000 minor page faults (~270 MB of
-zeroed pages) and ~135 ms of kernel CPU time; with the thresholds below, no faults and ~2 ms.
+faults the pages back in and the kernel zeroes them again, kernel CPU time that grows with the
+step's activations; with the thresholds below the pages stay mapped and are reused.
 
 The settings are process-wide (`mallopt`), which is what a CPU inference process wants; the
 cost is that memory freed after a peak stays with the process (`EngineConfig.cpu_keep_freed_memory`

@@ -3,16 +3,14 @@
 Why: with torch ops, each layer of a decode step gathers every sequence's KV blocks into a copy
 padded to the longest context, transposes it head-major, and runs two batched products that
 read it again; the decode kernel reads each sequence's keys and values once, for its own length
-only. Measured on the 2-core CPU, SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64),
-16 decodes over 50-650 keys in shuffled blocks of 30 layers' caches: ~600 us a layer with torch
-ops, ~235 us with the kernel. Prefill tiles keep torch's bf16 matrix products for the scores and
-the weighted values, and do scale, causal mask, softmax and rounding between them in one pass
-instead of four ops (2x faster); RMSNorm is one call instead of ~9 ops.
+only. Prefill tiles keep torch's bf16 matrix products for the scores and the weighted values,
+and do scale, causal mask, softmax and rounding between them in one pass instead of four ops
+(one read of the scores, not four); RMSNorm is one call instead of ~9 ops.
 
 Build: `$CC` (default `cc`) with `-O3 -march=native -ffast-math -fopenmp -DHEAD_DIM=<d>
--DGROUP=<g>` (constants let the compiler unroll the row loops: 2x faster than runtime sizes),
-cached under `tokenflow_home()/kernels` by a hash of the source, flags, compiler and CPU, so a
-machine builds it once per head geometry (~0.3 s). The library's OpenMP dependency resolves to
+-DGROUP=<g>` (constants let the compiler unroll and vectorise the row loops, which runtime sizes
+prevent), cached under `tokenflow_home()/kernels` by a hash of the source, flags, compiler and CPU,
+so a machine builds it once per head geometry. The library's OpenMP dependency resolves to
 the libgomp torch already loaded, so the kernels share torch's threads. Without a compiler, a
 failed build, or a torch that does not use libgomp, `load_native_kernels()` returns None and
 everything stays on torch ops.

@@ -5,9 +5,8 @@ has run a parallel op, for the life of that thread. Once the helpers of all team
 the cores, libgomp stops spin-waiting between parallel regions and puts its threads to sleep
 instead, and every region of the model thread then pays a wake-up. A program that used torch
 on its main thread before starting an engine (loading another model, a reference `generate`
-in a test) leaves such a team behind. Measured on the 2-core CPU with SmolLM2-135M fp32, after
-one matmul on the main thread: an engine's one-sequence decode step took 36.4 ms, and 19.3 ms
-once `Engine.start` released the main thread's team.
+in a test) leaves such a team behind, and it slows every later step until `Engine.start`
+releases it.
 
 `omp_pause_resource_all` (OpenMP 5.0) lets the calling thread's helpers exit; its next
 parallel op starts a new team, so the call only costs that thread a thread start later.

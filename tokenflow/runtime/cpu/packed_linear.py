@@ -1,19 +1,14 @@
 """Linear layers on CPU with weights reordered once for oneDNN.
 
-`torch.nn.functional.linear` on CPU leaves the weight in its plain row-major
-layout and hands the product to the BLAS library, which on the 2-core AMD dev
-CPU reads weights at ~17 GB/s for a single row (fp32) where the memory gives
-~46 GB/s. oneDNN's blocked layout, packed once at load, runs the same
-products at 30-48 GB/s for one row and 1.6-2x faster at 16 rows (a batch-16
-decode step), and about as fast as plain from ~128 rows up. Measured with
-SmolLM2-135M fp32, one decode step of one sequence: 37.8 ms with plain
-weights for single rows, 20.7 ms packed; bf16 20.0 -> 16.4 ms.
+Why: `torch.nn.functional.linear` on CPU leaves the weight in its plain
+row-major layout and hands the product to the BLAS library, which reads the
+weights well below memory bandwidth for the few rows of a decode step.
+oneDNN's blocked layout, packed once at load, streams them closer to it, so
+decode steps (memory-bound: every token reads every weight) run faster, and
+large batches about as fast as plain.
 
-fp32 and bf16 are packed. bf16 on the same CPU (AVX512-BF16), alternating steps of a plain
-and a packed SmolLM2-135M in one process, medians: 16 decodes 38.7 -> 33.8 ms, 16 decodes +
-a 240-token chunk 160 -> 142 ms, 5 decodes + a 507-token chunk 245 -> 223 ms.
-The cost is a second copy of the linear weights (the model's parameters stay
-untouched, e.g. for a tied embedding).
+fp32 and bf16 are packed. The cost is a second copy of the linear weights (the
+model's parameters stay untouched, e.g. for a tied embedding).
 """
 
 from __future__ import annotations
