@@ -4,7 +4,8 @@
   (each engine warmed up first, so compilation is not in the numbers): the
   median over the run of the whole step and of its model forward.
 * The scheduler's own time per step with 64 running sequences (no model):
-  `BucketingBatcher.schedule()` over the token pool, as the step loop calls it.
+  `schedule()` and `update_from_output()` over the prefix cache, as the step
+  loop calls them.
 """
 
 from __future__ import annotations
@@ -41,32 +42,39 @@ async def _decode_rows(model: str, compile: bool, batches: tuple[int, ...], step
 
 
 def scheduler_us_per_step(num_running: int = 64, prompt_tokens: int = 300, steps: int = 200) -> dict[str, float]:
-    """Median and p99 microseconds of `schedule()` with `num_running` decoding sequences."""
+    """Median and p99 microseconds of `schedule()` + `update_from_output()` with `num_running` decoding
+    sequences."""
     from tokenflow.config import EngineConfig
     from tokenflow.kv.eviction import LFULRUPolicy
-    from tokenflow.kv.prefix_cache import TokenPool
+    from tokenflow.kv.prefix_cache import PrefixCache
     from tokenflow.params import SamplingParams
+    from tokenflow.protocols import StepOutput
     from tokenflow.request import Request
-    from tokenflow.scheduler.scheduler import BucketingBatcher
+    from tokenflow.runtime.sampler import SamplerOutput
+    from tokenflow.scheduler.scheduler import Scheduler
+
+    class Sink:  # the output processor's part: record the token, never finish
+        def append(self, request: Request, token_id: int, logprob: Any) -> bool:
+            request.output_token_ids.append(token_id)
+            return False
 
     config = EngineConfig(max_num_seqs=num_running, max_batch_tokens=num_running * prompt_tokens)
-    batcher = BucketingBatcher(config)
-    batcher.pool = TokenPool(num_running * (prompt_tokens + steps) // 16 + 64, 16, policy=LFULRUPolicy())
-    batcher.max_model_len = 8192
+    scheduler = Scheduler(config)
+    scheduler.pool = PrefixCache(num_running * (prompt_tokens + steps) // 16 + 64, 16, policy=LFULRUPolicy())
+    scheduler.max_model_len = 8192
     for i in range(num_running):
         params = SamplingParams(max_tokens=steps + 10, ignore_eos=True)
-        batcher.add(Request(params, prompt_token_ids=[(i * 13 + j) % 30000 for j in range(prompt_tokens)],
-                            arrival_time=float(i)))
-    times = []
+        scheduler.add(Request(params, prompt_token_ids=[(i * 13 + j) % 30000 for j in range(prompt_tokens)],
+                              arrival_time=float(i)))
+    times, sink = [], Sink()
     for step in range(steps):
         started = time.perf_counter()
-        plan = batcher.schedule()
+        plan = scheduler.schedule()
+        sampling = sum(1 for c in plan.chunks if c.samples)
+        scheduler.update_from_output(plan, StepOutput(SamplerOutput([1] * sampling, None), [[]] * sampling), sink)
         elapsed = time.perf_counter() - started
         if step:  # the first step admits and prefills everyone; the rest are decode steps
             times.append(elapsed * 1e6)
-        for chunk in plan.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
-            chunk.request.output_token_ids.append(1)
     times.sort()
     return {"running": num_running, "median_us": round(statistics.median(times), 1),
             "p99_us": round(times[int(0.99 * (len(times) - 1))], 1)}
