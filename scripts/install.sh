@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# Create .venv and install tokenflow with its test extras.
+# Create .venv and install tokenflow (distribution `tokenflow-engine`) from this checkout.
+#
+#   scripts/install.sh         the slim core: enough for `tokenflow generate` and the Python API; no sudo
+#   scripts/install.sh --dev   the core, the test extras, the three plugins under plugins/, and the
+#                              services the tests use (redis-server, from apt when missing)
+#
 # On a machine without an NVIDIA GPU it installs the CPU build of torch 2.13
 # (set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI's
 # default torch wheel would be the multi-GB CUDA build); with a GPU, plain
-# `torch` from PyPI. The Redis tier's tests need `redis-server`: installed from
-# the system packages (apt) when missing.
+# `torch` from PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODE=core
+case "${1:-}" in
+    "") ;;
+    --dev) MODE=dev ;;
+    *) echo "usage: $0 [--dev]" >&2; exit 2 ;;
+esac
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
@@ -15,15 +25,23 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
     "${PIP[@]}" "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
-"${PIP[@]}" -e ".[dev]" -e plugins/tokenflow-redact -e plugins/tokenflow-redis \
-    -e plugins/tokenflow-ray
-if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
-    SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
-    $SUDO apt-get install -y -qq redis-server >/dev/null 2>&1 \
-        || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null; }
+if [ "$MODE" = core ]; then
+    "${PIP[@]}" -e .
+else
+    # The plugins are installed from their folders in the same command, so `tokenflow-engine[...]`
+    # and the plugins' own `tokenflow-engine` requirement resolve to this checkout, not to PyPI.
+    "${PIP[@]}" -e ".[dev]" -e plugins/tokenflow-redact -e plugins/tokenflow-redis -e plugins/tokenflow-ray
+    if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+        SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+        $SUDO apt-get install -y -qq redis-server >/dev/null 2>&1 \
+            || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null; }
+    fi
 fi
-.venv/bin/python - <<'PY'
+.venv/bin/python - "$MODE" <<'PY'
+import sys
+
 import torch
+
 kind = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"
-print(f"tokenflow installed in .venv (torch {torch.__version__}, {kind} build)")
+print(f"tokenflow ({sys.argv[1]}) installed in .venv (torch {torch.__version__}, {kind} build)")
 PY

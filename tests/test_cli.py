@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tokenflow.cli import main
 
 
@@ -33,3 +35,55 @@ def test_chat_answers_each_line_until_an_empty_one(tiny_model, capsys, monkeypat
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert main(["chat", "--model", str(tiny_model), "--max-tokens", "3", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.count("bot> ") == 2
+
+
+def test_chat_trims_the_oldest_turns_to_fit_the_context(tiny_model, capsys, monkeypatch) -> None:
+    """A history past the context used to end the chat (exit 2); now the oldest turns go, with a notice."""
+    long = "word " * 12
+    lines = iter([long, long, long, long, ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    code = main(["chat", "--model", str(tiny_model), "--max-model-len", "128", "--max-tokens", "8",
+                 "--temperature", "0", "--ignore-eos", "--system", "be brief"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert captured.out.count("bot> ") == 4
+    assert "oldest messages to fit the 128-token context" in captured.err
+
+
+def test_fit_history_keeps_the_system_prompt_and_starts_at_a_user_turn(tiny_model) -> None:
+    from transformers import AutoTokenizer
+
+    from tokenflow.cli import fit_history
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    history = [{"role": "system", "content": "sys"}]
+    for n in range(6):
+        history += [{"role": "user", "content": f"question {n} " * 5}, {"role": "assistant", "content": "ok " * 5}]
+    history.append({"role": "user", "content": "last"})
+    kept, dropped = fit_history(tokenizer, history, budget=60)
+    assert kept[0]["role"] == "system" and kept[1]["role"] == "user" and kept[-1]["content"] == "last"
+    assert dropped > 0 and len(kept) + dropped == len(history)
+    text = tokenizer.apply_chat_template(kept, tokenize=False, add_generation_prompt=True)
+    assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= 60
+    alone, _ = fit_history(tokenizer, [{"role": "user", "content": "x " * 500}], budget=60)
+    assert alone == []  # the caller says it does not fit
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    ("max_num_seqs=", "has no value"),
+    ("=8", "expects KEY=VALUE"),
+    ("novalue", "expects KEY=VALUE"),
+    ("length_buckets=[1,", "not valid JSON"),
+    ("no_such_setting=1", "no_such_setting"),
+])
+def test_bad_set_flags_are_one_line_errors(tiny_model, capsys, flag, message) -> None:
+    assert main(["generate", "hi", "--model", str(tiny_model), "--set", flag]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_every_command_takes_a_log_level(capsys) -> None:
+    for command in ("generate", "chat", "serve", "plugins", "pull", "list", "rm", "bench", "bench-prefix"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--log-level" in capsys.readouterr().out, command

@@ -4,10 +4,16 @@
         done = await engine.generate("Why is the sky blue?", max_tokens=64, temperature=0.0)
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from tokenflow import errors
 from tokenflow.config import EngineConfig
-from tokenflow.engine import Engine
 from tokenflow.params import Chunk, Completion, SamplingParams, TokenLogprob, Usage
+
+if TYPE_CHECKING:
+    from tokenflow.engine import Engine
 
 __version__ = "0.1.0"
 
@@ -22,3 +28,13 @@ __all__ = (
     "__version__",
     "errors",
 )
+
+
+def __getattr__(name: str) -> Any:
+    """`tokenflow.Engine` loads torch and transformers on first use, so `import tokenflow` (and the
+    pytest plugin, in every test run of an environment that has tokenflow) costs no torch import."""
+    if name == "Engine":
+        from tokenflow.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'tokenflow' has no attribute {name!r}")

@@ -1,17 +1,23 @@
-"""The `tokenflow` command: generate, chat, serve, plugins, pull, and the benchmarks (bench, bench-*)."""
+"""The `tokenflow` command: generate, chat, serve, plugins, pull, list, rm, and the benchmarks (bench, bench-*).
+
+`tokenflow --help` imports no torch and no benchmark module: a command's heavy modules load when it runs,
+and a benchmark's flags are read from its module only when that benchmark is the command.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import logging
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 
-from tokenflow.errors import TokenflowError
+from tokenflow.errors import InvalidRequest, Overloaded, TokenflowError
 
 __all__ = ("main",)
 
@@ -46,11 +52,29 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name, None) is not None:
             settings[name] = getattr(args, name)
     for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
-        settings[key.strip()] = json.loads(value) if value[:1] in "[{" else value
+        key, value = _parse_set(item)
+        settings[key] = value
     return settings
+
+
+def _parse_set(item: str) -> tuple[str, Any]:
+    """`--set KEY=VALUE`: VALUE is text, or JSON when it starts with `[` or `{`; errors name the flag."""
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UsageError(f"--set expects KEY=VALUE, got {item!r}")
+    if not value:
+        raise UsageError(f"--set {key}= has no value (write --set {key}=VALUE)")
+    if value[0] in "[{":
+        try:
+            return key, json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--set {key}: the value is not valid JSON ({exc.msg} at {exc.pos})") from None
+    return key, value
+
+
+class UsageError(Exception):
+    """A command line that cannot run: printed as one line, exit status 2."""
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -99,6 +123,8 @@ async def _chat(args: argparse.Namespace) -> None:
     if args.system:
         history.append({"role": "system", "content": args.system})
     async with _make_engine(args) as engine:
+        tokenizer, context = engine.loaded.tokenizer, engine.loaded.max_model_len
+        reply_tokens = kwargs.get("max_tokens") or min(engine.config.default_max_tokens, context // 4)
         print("tokenflow chat — empty line or Ctrl-D to quit", file=sys.stderr)
         while True:
             try:
@@ -108,13 +134,50 @@ async def _chat(args: argparse.Namespace) -> None:
             if not line.strip():
                 break
             history.append({"role": "user", "content": line})
+            history, dropped = await anyio.to_thread.run_sync(
+                fit_history, tokenizer, history, context - reply_tokens
+            )
+            if dropped:
+                print(f"[dropped the {dropped} oldest messages to fit the {context}-token context]", file=sys.stderr)
+            if not history or history[-1]["role"] != "user":
+                print(f"[that message does not fit the {context}-token context with room for a reply]",
+                      file=sys.stderr)
+                continue
             reply = []
             print("bot> ", end="", flush=True)
-            async for chunk in engine.stream_chat(history, **kwargs):
-                print(chunk.text, end="", flush=True)
-                reply.append(chunk.text)
+            try:
+                async for chunk in engine.stream_chat(history, **kwargs):
+                    print(chunk.text, end="", flush=True)
+                    reply.append(chunk.text)
+            except (InvalidRequest, Overloaded) as exc:
+                print(f"\n[{type(exc).__name__}: {exc}]", file=sys.stderr)
+                history.pop()
+                continue
             print()
             history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def fit_history(
+    tokenizer: Any, history: Sequence[dict[str, str]], budget: int
+) -> tuple[list[dict[str, str]], int]:
+    """Drop the oldest turns (never the system prompt) until the rendered chat has at most `budget`
+    tokens; returns the kept messages and how many were dropped. The last message, the one to answer,
+    goes too when it cannot fit alone, so the caller can say so instead of failing the request."""
+    system = [m for m in history[:1] if m["role"] == "system"]
+    turns = list(history[len(system):])
+    dropped = 0
+
+    def size(messages: list[dict[str, str]]) -> int:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    while turns and size(system + turns) > budget:
+        turns.pop(0)
+        dropped += 1
+        while turns and turns[0]["role"] != "user":  # a conversation restarts at a user turn
+            turns.pop(0)
+            dropped += 1
+    return system + turns, dropped
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -125,7 +188,7 @@ def _serve(args: argparse.Namespace) -> None:
     http = dict(api_key=args.api_key, max_request_bytes=args.max_request_bytes, cors_origins=args.cors_origin or (),
                 report_cached_tokens=args.report_cached_tokens, trusted_client_fields=args.trust_client_field or ())
     app = create_app(config_file=args.config, **http, **_engine_settings(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
 def _plugins(args: argparse.Namespace) -> None:
@@ -171,6 +234,31 @@ def _pull(args: argparse.Namespace) -> None:
     print(f"{resolved.name}: {resolved.path}")
 
 
+def _list(args: argparse.Namespace) -> None:
+    from tokenflow.hub.cache import list_models, models_root
+
+    root = models_root()
+    models = list_models(root)
+    if not models:
+        print(f"no converted models in {root}")
+        return
+    rows = [(m.name, f"{m.size_bytes / 2**20:,.0f} MiB", m.created, m.source) for m in models]
+    header = ("name", "size", "created", "source")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+    print(f"({len(models)} in {root})")
+
+
+def _rm(args: argparse.Namespace) -> None:
+    from tokenflow.hub.cache import models_root, remove_model
+
+    root = models_root()
+    for name in args.names:
+        freed = remove_model(root, name)
+        print(f"removed {name} ({freed / 2**20:,.0f} MiB)")
+
+
 # command -> (module with `add_arguments(parser)`, its run function, help)
 _BENCHES = {
     "bench": ("tokenflow.benchmarks.throughput", "run_bench", "throughput / latency benchmark against transformers"),
@@ -185,11 +273,22 @@ _BENCHES = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenflow", description=__doc__)
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; only the benchmark named by `command` (if any) gets its module's flags."""
+    parser = argparse.ArgumentParser(prog="tokenflow", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"tokenflow {_version()}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                        help="log lines on stderr from this level up (default: info)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for one prompt")
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, parents=[common])
+
+    gen = add("generate", "generate text for one prompt")
     gen.add_argument("prompt")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -198,14 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(gen)
     _sampling_flags(gen)
 
-    chat = sub.add_parser("chat", help="an interactive chat that keeps the conversation")
+    chat = add("chat", "an interactive chat that keeps the conversation (oldest turns dropped to fit)")
     chat.add_argument("--system", help="a system prompt")
     _engine_flags(chat)
     _sampling_flags(chat)
 
-    sub.add_parser("plugins", help="list the stages and backends the registry finds")
+    add("plugins", "list the stages and backends the registry finds")
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (uvicorn) around one engine")
+    serve = add("serve", "an OpenAI-compatible HTTP server (uvicorn) around one engine")
     _engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -218,32 +317,63 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trust-client-field", action="append", choices=["priority", "cache_salt"],
                        help="let clients set this field themselves (repeatable)")
 
-    pull = sub.add_parser("pull", help="fetch and convert a model into the cache (default: the embedded one)")
+    pull = add("pull", "fetch and convert a model into the cache (default: the embedded one)")
     pull.add_argument("model", nargs="?", default=None)
+    add("list", "list the converted models in the cache, with their sizes")
+    rm = add("rm", "delete converted models from the cache (they are rebuilt on next use)")
+    rm.add_argument("names", nargs="+", metavar="NAME", help="a name that `tokenflow list` shows")
 
     for name, (module, _run, help_text) in _BENCHES.items():
-        importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_text))
+        bench = add(name, help_text)
+        if name == command:
+            importlib.import_module(module).add_arguments(bench)
     return parser
 
 
+def _version() -> str:
+    from tokenflow import __version__
+
+    return __version__
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand: the first word that is not a flag (no top-level flag takes a value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def configure_logging(level: str) -> None:
+    """Log lines on stderr; progress bars draw there too when it is a terminal, else they log."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)  # a no-op where the app or pytest already configured logging
+    logging.getLogger("tokenflow").setLevel(level.upper())
+
+
+_COMMANDS = {
+    "generate": lambda args: anyio.run(_generate, args),
+    "chat": lambda args: anyio.run(_chat, args),
+    "serve": _serve,
+    "plugins": _plugins,
+    "pull": _pull,
+    "list": _list,
+    "rm": _rm,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_command_of(argv)).parse_args(argv)
+    configure_logging(args.log_level)
     try:
-        if args.command == "generate":
-            anyio.run(_generate, args)
-        elif args.command == "chat":
-            anyio.run(_chat, args)
-        elif args.command == "serve":
-            _serve(args)
-        elif args.command == "plugins":
-            _plugins(args)
-        elif args.command == "pull":
-            _pull(args)
-        elif args.command in _BENCHES:
+        if args.command in _BENCHES:
             module, run, _help = _BENCHES[args.command]
             getattr(importlib.import_module(module), run)(args)
+        else:
+            _COMMANDS[args.command](args)
     except TokenflowError as exc:
         print(f"tokenflow: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        print(f"tokenflow {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -24,8 +24,15 @@ else:  # pragma: no cover
 __all__ = ("AttentionPolicy", "EngineConfig")
 
 ENV_PREFIX = "TOKENFLOW_"
-# Environment variables with this prefix that are not engine settings.
-_ENV_NOT_SETTINGS = frozenset({"TOKENFLOW_HOME", "TOKENFLOW_PLUGINS", "TOKENFLOW_CONFIG", "TOKENFLOW_API_KEY"})
+# Environment variables with this prefix that are not engine settings (any other is one, or a typo).
+_ENV_NOT_SETTINGS = frozenset({
+    "TOKENFLOW_HOME",  # the model cache folder
+    "TOKENFLOW_PLUGINS",  # which plugins may load
+    "TOKENFLOW_CONFIG",  # a TOML file of settings
+    "TOKENFLOW_API_KEY",  # `tokenflow serve --api-key`
+    "TOKENFLOW_TEST_MODEL",  # the pytest plugin's model
+    "TOKENFLOW_INDEX_URL",  # the package index the embedded model's wheel comes from
+})
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 

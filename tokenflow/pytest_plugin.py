@@ -9,12 +9,27 @@ Fixtures:
   same tests at a real model.
 - `tokenflow_settings`: engine settings for the fixture (override it in a
   conftest to change them).
-- `tokenflow_engine`: a started `Engine`, closed after the test. Async: it
-  needs pytest-asyncio (or anyio's plugin) like the tests that use it.
+- `tokenflow_engine`: a started `Engine`, closed after the test, for
+  pytest-asyncio tests (asyncio).
+- `tokenflow_anyio_engine`: the same for tests that run under anyio's pytest
+  plugin (`@pytest.mark.anyio`), on whichever backend `anyio_backend` names:
+  asyncio or trio.
 
     async def test_four_tokens(tokenflow_engine):
         done = await tokenflow_engine.generate("Hello", max_tokens=4, ignore_eos=True)
         assert len(done.token_ids) == 4
+
+    @pytest.fixture(params=["asyncio", "trio"])
+    def anyio_backend(request):
+        return request.param
+
+    @pytest.mark.anyio
+    async def test_on_trio_too(tokenflow_anyio_engine):
+        done = await tokenflow_anyio_engine.generate("Hello", max_tokens=4, ignore_eos=True)
+        assert len(done.token_ids) == 4
+
+Importing this module (pytest does, in every run of an environment that has
+tokenflow) loads no torch: the engine's modules load when a fixture starts one.
 """
 
 from __future__ import annotations
@@ -55,7 +70,18 @@ def tokenflow_settings() -> dict[str, Any]:
 
 @_async_fixture
 async def tokenflow_engine(tokenflow_model: str, tokenflow_settings: dict[str, Any]) -> AsyncIterator[Any]:
-    from tokenflow import Engine
+    from tokenflow.engine import Engine
+
+    async with Engine(tokenflow_model, **tokenflow_settings) as engine:
+        yield engine
+
+
+@pytest.fixture
+async def tokenflow_anyio_engine(
+    anyio_backend: Any, tokenflow_model: str, tokenflow_settings: dict[str, Any]
+) -> AsyncIterator[Any]:
+    """Run by anyio's plugin (it requests `anyio_backend`), so it starts in the test's own event loop."""
+    from tokenflow.engine import Engine
 
     async with Engine(tokenflow_model, **tokenflow_settings) as engine:
         yield engine

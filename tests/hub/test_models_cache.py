@@ -198,3 +198,18 @@ def test_converted_files_are_world_readable(tiny_gguf: Path, tmp_path: Path) -> 
     resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
     assert resolved.path.stat().st_mode & 0o755 == 0o755
     assert all(p.stat().st_mode & 0o644 == 0o644 for p in resolved.path.iterdir())
+
+
+def test_list_and_rm_converted_models(tmp_path, monkeypatch, capsys, tiny_gguf) -> None:
+    from tokenflow.cli import main
+    from tokenflow.hub import resolve_model
+
+    monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
+    assert main(["list"]) == 0 and "no converted models" in capsys.readouterr().out
+    resolved = resolve_model(str(tiny_gguf), progress=False)
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert resolved.path.name in out and "MiB" in out
+    assert main(["rm", resolved.path.name]) == 0
+    assert not resolved.path.exists()
+    assert main(["rm", "nothing-here"]) == 2 and "no converted model named" in capsys.readouterr().err

@@ -13,10 +13,12 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,10 @@ try:  # POSIX only; elsewhere the atomic rename alone keeps the cache consistent
 except ImportError:  # pragma: no cover - not reachable on Linux/macOS
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ("MARKER", "cached_folder", "ensure_folder", "file_lock", "models_root", "tokenflow_home")
+__all__ = (
+    "MARKER", "CachedModel", "cached_folder", "ensure_folder", "file_lock", "list_models", "models_root",
+    "remove_model", "tokenflow_home",
+)
 
 MARKER = "tokenflow-model.json"
 MARKER_FORMAT = 1
@@ -40,9 +45,16 @@ def tokenflow_home() -> Path:
     env = os.environ.get("TOKENFLOW_HOME")
     if env:
         return Path(env).expanduser()
-    from platformdirs import user_cache_dir
+    return _user_cache_root() / "tokenflow"
 
-    return Path(user_cache_dir("tokenflow"))
+
+def _user_cache_root() -> Path:
+    """The per-user cache folder of this OS (what platformdirs answers, without the dependency)."""
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches"
+    if sys.platform == "win32":
+        return Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 def models_root(home: Path | None = None) -> Path:
@@ -165,3 +177,39 @@ def _remove_leftovers(root: Path, name: str) -> None:
         for stale in root.glob(pattern):
             log.debug("removing leftover %s", stale)
             shutil.rmtree(stale, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    """A complete build in the cache, as `tokenflow list` shows it."""
+
+    name: str
+    path: Path
+    size_bytes: int
+    created: str
+    source: str
+
+
+def list_models(root: Path) -> list[CachedModel]:
+    """The complete builds under `root`, by name (half-built and temporary folders are not listed)."""
+    models = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else ():
+        marker = read_marker(folder) if folder.is_dir() and not folder.name.startswith(".") else None
+        if marker is None:
+            continue
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        models.append(CachedModel(folder.name, folder, size, str(marker.get("created", "?")),
+                                  str(marker.get("source", marker.get("title", "?")))))
+    return models
+
+
+def remove_model(root: Path, name: str) -> int:
+    """Delete the build `name` under its lock (a process converting it finishes first); bytes freed."""
+    folder = root / name
+    if name.startswith(".") or "/" in name or read_marker(folder) is None:
+        known = ", ".join(m.name for m in list_models(root)) or "none"
+        raise ModelLoadError(f"no converted model named {name!r} in {root} (there are: {known})")
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    with file_lock(root / f".{name}.lock"):
+        shutil.rmtree(folder)
+    return size
