@@ -42,12 +42,15 @@ def real_hf_model(real_model: Path):
 
 @pytest.fixture(autouse=True)
 def _clean_tokenflow_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Engine settings from the developer's shell must not leak into tests."""
+    """Engine settings from the developer's shell must not leak into tests. The suite's oracle is
+    transformers in fp32, so engines default to fp32 here (what dtype="auto" picks is tested itself,
+    in tests/runtime/test_dtype_auto.py); subprocesses (`tokenflow serve`) inherit it."""
     import os
 
     for key in list(os.environ):
         if key.startswith("TOKENFLOW_") and key not in ("TOKENFLOW_HOME",):
             monkeypatch.delenv(key)
+    monkeypatch.setenv("TOKENFLOW_DTYPE", "float32")
 
 
 _REAL_MODEL_FIXTURES = {"real_model", "real_hf_model", "real_tokenizer"}

@@ -16,7 +16,7 @@ def test_builtins_are_registered_through_entry_points() -> None:
     found = {(p.group, p.name): p for p in registry.list_plugins()}
     for key in [(registry.STAGES, "tokenizer"), (registry.STAGES, "batcher"),
                 (registry.BACKENDS, "paged"), (registry.BACKENDS, "hf")]:
-        assert key in found and found[key].builtin and found[key].origin.startswith("tokenflow ")
+        assert key in found and found[key].builtin and found[key].origin.startswith("tokenflow-engine ")
 
 
 def test_kinds_come_from_the_protocols() -> None:

@@ -28,6 +28,7 @@ from tokenflow.kv.block_hash import model_key
 from tokenflow.limits import RequestLimits
 from tokenflow.output.processor import OutputProcessor, usage_of
 from tokenflow.params import Chunk, Completion, SamplingParams
+from tokenflow.progress import steps
 from tokenflow.protocols import EngineContext, NextStage
 from tokenflow.request import Request
 from tokenflow.runtime.cpu.openmp_team import release_openmp_team
@@ -140,8 +141,7 @@ class Engine:
         sizes = self._loop.backend.warmup_batch_sizes() if hasattr(self._loop.backend, "warmup_batch_sizes") else [1]
         started = time.perf_counter()
         vocab = self.loaded.vocab_size
-        for n, size in enumerate(sizes, 1):
-            log.info("warm-up %d/%d: %d concurrent requests", n, len(sizes), size)
+        for size in steps(sizes, "tokenflow: warm-up (decode batch sizes)"):
             async with anyio.create_task_group() as tg:
                 for i in range(size):
                     prompt = [(37 * i + 11 * j) % (vocab - 10) + 5 for j in range(24)]
@@ -215,6 +215,9 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"state": self._state, "model": self.model_name}
         if self._loop is not None:
+            # what dtype="auto" chose on this machine, and where the model runs
+            stats["dtype"] = str(self.loaded.dtype).removeprefix("torch.")
+            stats["device"] = str(self.loaded.device)
             stats.update(self._loop.stats())
         for stage in self._stages:
             if hasattr(stage, "stats"):

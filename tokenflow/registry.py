@@ -28,7 +28,7 @@ __all__ = (
 STAGES = "tokenflow.stages"
 BACKENDS = "tokenflow.backends"
 POLICIES = "tokenflow.eviction_policies"
-_BUILTIN_DIST = "tokenflow"
+_BUILTIN_DIST = "tokenflow-engine"  # the distribution name of this package (the import name is tokenflow)
 
 # Which protocol makes which kind, checked in order.
 _KINDS: tuple[tuple[str, type], ...] = (

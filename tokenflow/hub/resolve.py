@@ -18,7 +18,7 @@ from tokenflow.errors import ModelLoadError
 from tokenflow.hub.cache import ensure_folder, models_root
 from tokenflow.hub.convert import convert_gguf, sha256_file
 from tokenflow.hub.embedded import EMBEDDED, ensure_embedded
-from tokenflow.hub.progress import StageBar
+from tokenflow.progress import StageBar
 
 __all__ = ("DEFAULT_MODEL", "ResolvedModel", "resolve_model")
 

@@ -11,6 +11,7 @@ import torch
 
 from tokenflow.config import EngineConfig
 from tokenflow.errors import ModelLoadError
+from tokenflow.runtime.cpu.features import has_native_bf16
 from tokenflow.runtime.cpu.malloc_tuning import keep_freed_memory
 
 __all__ = ("LoadedModel", "load_model", "resolve_device", "resolve_dtype")
@@ -30,10 +31,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is fp32 on CPU (the exact path; bf16 is opt-in there) and bf16 on CUDA."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+    """`auto`: bf16 where the hardware computes in it (CUDA with bf16, CPUs with AVX512-BF16 or AMX:
+    the faster default, as in vLLM), fp16 on older CUDA GPUs, fp32 elsewhere (emulated bf16 is slower)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu" and has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
 
 
 @dataclass
@@ -59,12 +65,14 @@ def load_model(path: Path, config: EngineConfig) -> LoadedModel:
         keep_freed_memory()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # device_map loads each tensor straight onto the device (accelerate), so on CUDA the weights
+        # never sit in host RAM first; one code path for every device
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": str(device)})
     except Exception as exc:
         raise ModelLoadError(f"could not load the model from {path}: {exc}") from exc
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"{path}: tokenflow needs a fast (Rust) tokenizer (tokenizer.json)")
-    model.to(device).eval()
+    model.eval()
     model.requires_grad_(False)
 
     model_len = int(getattr(model.config, "max_position_embeddings", 0) or 2048)

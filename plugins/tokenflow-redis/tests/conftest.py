@@ -113,3 +113,11 @@ def redis_urls(shared_redis_urls: list[str]) -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(autouse=True)
+def _fp32_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests compare tokens exactly with and without the tier, in batches of different shapes:
+    fp32 keeps greedy tokens equal across batch shapes, bf16 (dtype="auto" on CPUs with native bf16)
+    does not."""
+    monkeypatch.setenv("TOKENFLOW_DTYPE", "float32")

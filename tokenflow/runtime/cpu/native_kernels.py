@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 from tokenflow.hub.cache import tokenflow_home
+from tokenflow.progress import StageBar
+from tokenflow.runtime.cpu.features import cpu_flags
 from tokenflow.runtime.cpu.openmp_team import loaded_libgomp_paths
 
 __all__ = ("NativeKernels", "load_native_kernels")
@@ -126,11 +128,7 @@ def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest.update(version.encode())
     digest.update(platform.machine().encode())
-    try:
-        cpu_flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        cpu_flags = platform.processor()
-    digest.update(cpu_flags.encode())
+    digest.update((" ".join(sorted(cpu_flags())) or platform.processor()).encode())
     return digest.hexdigest()[:16]
 
 
@@ -144,13 +142,15 @@ def _build(compiler: str, folder: Path, head_dim: int, group: int) -> Path:
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
     os.close(fd)
     obj = tmp[: -len(".so.tmp")] + ".o"
+    steps = {"compile": [compiler, *flags, "-c", "-o", obj, str(SOURCE)],
+             "link": [compiler, *LINK_FLAGS, "-o", tmp, obj, "-lm"]}
     try:
-        compile_step = [compiler, *flags, "-c", "-o", obj, str(SOURCE)]
-        link_step = [compiler, *LINK_FLAGS, "-o", tmp, obj, "-lm"]
-        for command in (compile_step, link_step):
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0:
-                raise OSError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        with StageBar(f"tokenflow: building CPU kernels for head size {head_dim}", tuple(steps)) as bar:
+            for name, command in steps.items():
+                with bar.stage(name):
+                    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+                if proc.returncode != 0:
+                    raise OSError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: concurrent builders each write their own temporary file
     finally:
         for leftover in (tmp, obj):
