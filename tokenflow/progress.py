@@ -11,11 +11,12 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import TypeVar
 
 from tqdm import tqdm
 
-__all__ = ("ByteBar", "StageBar", "on_terminal", "steps")
+__all__ = ("ByteBar", "StageBar", "on_terminal", "quiet_transformers", "steps")
 
 log = logging.getLogger("tokenflow.progress")
 
@@ -111,3 +112,35 @@ def steps(items: Iterable[T], title: str, *, total: int | None = None) -> Iterat
     for n, item in enumerate(items, 1):
         log.info("%s %d/%d", title, n, len(items))
         yield item
+
+
+@contextmanager
+def quiet_transformers(quiet: bool) -> Iterator[None]:
+    """Silence transformers' own progress bars (loading, converting) where ours are off or not drawn.
+
+    Its "Loading weights"/"Writing model shards" bars obey a process-wide switch,
+    which is restored afterwards; the GGUF dequantisation bar is created
+    unconditionally, so its module-level `tqdm` is swapped for a disabled one
+    (skipped if a transformers version moves it).
+    """
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover - layout changed
+        gguf_utils = None
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is not None:
+        gguf_utils.tqdm = partial(original, disable=True)
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_utils.tqdm = original
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tokenflow.errors import ModelLoadError
-from tokenflow.progress import StageBar
+from tokenflow.progress import StageBar, on_terminal, quiet_transformers
 
 __all__ = ("convert_gguf", "gguf_chat_template", "sha256_file")
 
@@ -55,7 +52,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, bar: StageBar) -> None:
     transformers cannot read the file or the saved tokenizer lost its chat template.
     """
     announce_dequantisation(gguf_path)
-    with _quiet_transformers(not bar.enabled):
+    with quiet_transformers(not (bar.enabled and on_terminal())):
         _convert(gguf_path, out_dir, bar)
 
 
@@ -145,35 +142,3 @@ def _ensure_chat_template(out_dir: Path, template: str) -> None:
             f"the converted tokenizer in {out_dir} does not keep the GGUF's chat template; "
             "this transformers version saves tokenizers differently than tokenflow expects."
         )
-
-
-@contextmanager
-def _quiet_transformers(quiet: bool) -> Iterator[None]:
-    """Silence transformers' own progress bars while converting, when the caller asked for no progress.
-
-    Its "Loading weights"/"Writing model shards" bars obey a process-wide switch,
-    which is restored afterwards; the GGUF dequantisation bar is created
-    unconditionally, so its module-level `tqdm` is swapped for a disabled one
-    (skipped if a transformers version moves it).
-    """
-    if not quiet:
-        yield
-        return
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    except ImportError:  # pragma: no cover - layout changed
-        gguf_utils = None
-    original = getattr(gguf_utils, "tqdm", None)
-    if original is not None:
-        gguf_utils.tqdm = partial(original, disable=True)
-    try:
-        yield
-    finally:
-        if original is not None:
-            gguf_utils.tqdm = original
-        if was_enabled:
-            hf_logging.enable_progress_bar()

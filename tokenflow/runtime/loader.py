@@ -11,6 +11,7 @@ import torch
 
 from tokenflow.config import EngineConfig
 from tokenflow.errors import ModelLoadError
+from tokenflow.progress import on_terminal, quiet_transformers
 from tokenflow.runtime.cpu.features import has_native_bf16
 from tokenflow.runtime.cpu.malloc_tuning import keep_freed_memory
 
@@ -67,7 +68,8 @@ def load_model(path: Path, config: EngineConfig) -> LoadedModel:
         tokenizer = AutoTokenizer.from_pretrained(path)
         # device_map loads each tensor straight onto the device (accelerate), so on CUDA the weights
         # never sit in host RAM first; one code path for every device
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": str(device)})
+        with quiet_transformers(not on_terminal()):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": str(device)})
     except Exception as exc:
         raise ModelLoadError(f"could not load the model from {path}: {exc}") from exc
     if not getattr(tokenizer, "is_fast", False):
