@@ -1,4 +1,4 @@
-"""`tokenflow bench` end to end on the tiny model: every engine runs, the table and JSON come out."""
+"""`tokenflow bench` end to end on the tiny model, and the shared benchmark clients."""
 
 from __future__ import annotations
 
@@ -8,21 +8,57 @@ import sys
 
 import pytest
 
+from tokenflow.benchmarks.clients import closed_loop, conversations
+from tokenflow.engine import Engine
 
-@pytest.mark.slow  # four engine subprocesses: ~45 s
+
+@pytest.mark.slow  # engine subprocesses: ~1 min
 def test_bench_runs_every_engine_and_writes_json(tiny_model, tmp_path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "tokenflow", "bench", "--model", str(tiny_model), "--requests", "4",
            "--max-tokens", "6", "--min-prompt", "8", "--max-prompt", "40", "--concurrency", "1,2",
-           "--engines", "paged,paged-ngram,hf,naive", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+           "--engines", "paged,paged-ngram,hf,naive", "--scenarios", "standard,shared-prefix,restart",
+           "--conversations", "2", "--turns", "2", "--system-tokens", "60", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "vs_naive" in proc.stdout
-    results = json.loads(out.read_text())
-    seen = {(r["engine"], r["concurrency"]) for r in results}
+    assert "vs_naive" in proc.stdout and "req/s vs vllm" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["meta"]["host_cpu"] and data["meta"]["cores"] >= 1
+    results = data["results"]
+    standard = [r for r in results if r["scenario"] == "standard"]
+    seen = {(r["engine"], r["concurrency"]) for r in standard}
     assert seen == {(e, c) for e in ("paged", "paged-ngram", "hf", "naive") for c in (1, 2)}
-    for r in results:
+    for r in standard:
         assert r["requests"] == 4 and r["out_tok_per_s"] > 0, r
         assert r["output_tokens"] == 4 * 6, r  # EOS ignored: 6 tokens each
-    ngram = [r for r in results if r["engine"] == "paged-ngram"]
+    ngram = [r for r in standard if r["engine"] == "paged-ngram"]
     assert all("num_draft_tokens" in r["engine_stats"] for r in ngram)
+    shared = [r for r in results if r["scenario"] == "shared-prefix"]
+    assert len(shared) == 1 and shared[0]["requests"] == 4 and shared[0]["output_tokens"] == 4 * 6
+    assert shared[0]["engine_stats"]["prefix_cache_hit_tokens"] > 0  # later turns reuse the history
+    restart = {r["phase"]: r for r in results if r["scenario"] == "restart"}
+    assert set(restart) == {"fill", "warm restart"}
+    assert restart["warm restart"]["engine_stats"]["disk_blocks_loaded"] > 0  # the disk tier served it
+
+
+async def test_clients_measure_every_request_and_reuse_the_history(tiny_model) -> None:
+    prompts_seen: list[list[int]] = []
+    async with Engine(tiny_model, max_num_seqs=4) as engine:
+
+        async def stream(ids: list[int], max_tokens: int):
+            prompts_seen.append(list(ids))
+            async for chunk in engine.stream(ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                yield chunk.token_ids
+
+        loop = await closed_loop(stream, [[5, 6, 7]] * 5, max_tokens=3, concurrency=2)
+        assert loop["requests"] == 5 and loop["output_tokens"] == 15
+        assert 0 < loop["ttft_p50_s"] <= loop["latency_p50_s"] and loop["req_per_s"] > 0
+        prompts_seen.clear()
+        talk = await conversations(stream, [1, 2, 3], [[[10, 11], [12]], [[20], [21, 22]]], [99], max_tokens=2)
+    assert talk["requests"] == 4 and talk["output_tokens"] == 8
+    firsts = [p for p in prompts_seen if len(p) <= 5]
+    seconds = [p for p in prompts_seen if len(p) > 5]
+    assert sorted(firsts) == [[1, 2, 3, 10, 11], [1, 2, 3, 20]]
+    for second in seconds:  # the whole first turn, its two reply tokens, the terminator, the next turn
+        first = next(f for f in firsts if second[: len(f)] == f)
+        assert second[len(first) + 2] == 99 and second[len(first) + 3:] in ([12], [21, 22])

