@@ -38,15 +38,20 @@ async def run_concurrently(engine: Engine, prompts, max_tokens: int, stagger_s: 
     return [results[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize(("backend", "packed"), [("hf", False), ("paged", True), ("paged", False)])
-async def test_greedy_equals_transformers_generate(tiny_model, backend, packed) -> None:
+@pytest.mark.parametrize(("backend", "packed", "fused"), [
+    ("hf", False, False), ("paged", True, True), ("paged", False, True), ("paged", True, False), ("paged", False, False),
+])
+async def test_greedy_equals_transformers_generate(tiny_model, backend, packed, fused) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     prompts = make_prompts(400, [3, 9, 17, 33, 64, 100, 150, 230, 301, 47])
     async with Engine(tiny_model, backend=backend, max_num_seqs=8, max_batch_tokens=128,
-                      pack_cpu_weights=packed) as engine:
-        if backend == "paged":  # packed layers route their forward through oneDNN
-            linears = [m for m in engine._loop.backend.runner.model.modules() if type(m) is torch.nn.Linear]
-            assert linears and all(("forward" in vars(m)) == packed for m in linears)
+                      pack_cpu_weights=packed, fused_layers=fused) as engine:
+        if backend == "paged":
+            runner = engine._loop.backend.runner
+            assert (runner.fused is not None) == fused  # the tiny Llama is a shape the fused layers run
+            # without the fused layers, packed HF layers route their forward through oneDNN
+            linears = [m for m in runner.model.modules() if type(m) is torch.nn.Linear]
+            assert linears and all(("forward" in vars(m)) == (packed and not fused) for m in linears)
         outputs = await run_concurrently(engine, prompts, max_tokens=24, stagger_s=0.01)
         assert engine.stats().get("kv_blocks_used", 0) == 0
     for prompt, got in zip(prompts, outputs):

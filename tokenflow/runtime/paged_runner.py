@@ -37,6 +37,7 @@ from tokenflow.runtime.attention.paged import (
 from tokenflow.runtime.attention.sliding import SlidingSegment, build_segment
 from tokenflow.runtime.attention.topk import RECENT_BLOCKS, TopkDecode
 from tokenflow.runtime.cpu.native_kernels import load_native_kernels
+from tokenflow.runtime.fused_layers import fused_decoder_for
 
 __all__ = ("PagedModelRunner", "SeqChunk", "check_model_supported")
 
@@ -173,6 +174,8 @@ class PagedModelRunner:
         sinks: int = 0,
         topk_budget: int | None = None,
         native_kernels: bool = True,
+        fused_layers: bool = True,
+        pack_weights: bool = True,
     ) -> None:
         check_model_supported(model, max_model_len)
         geometry = KVCache.geometry(model.config)
@@ -220,6 +223,8 @@ class PagedModelRunner:
         # The self-check's reference: matmul attention is transformers' eager arithmetic (0 error there;
         # against bf16 SDPA any other implementation differs by ~1e-2, as much as a real bug).
         self._check_attention = "eager" if self.matmul_attention else self._reference_attention
+        # Llama-family models: one flat loop of fused ops instead of the HF modules (tokenflow.runtime.fused_layers)
+        self.fused = fused_decoder_for(model, pack=pack_weights) if fused_layers else None
         register()
         try:
             model.set_attn_implementation(ATTENTION_NAME)
@@ -242,6 +247,9 @@ class PagedModelRunner:
         return self._forward(step)
 
     def _forward(self, step: PackedStep) -> torch.Tensor:
+        if self.fused is not None:
+            with torch.inference_mode():
+                return self.fused(step.input_ids, step.position_ids, step.logits_to_keep, step.meta).float()
         with torch.inference_mode():
             out = self.model(
                 input_ids=step.input_ids,

@@ -46,6 +46,7 @@ __all__ = (
     "PagedAttentionMetadata",
     "PrefillSegment",
     "UnsupportedAttentionFeature",
+    "attend",
     "paged_attention_forward",
     "register",
 )
@@ -168,23 +169,33 @@ def paged_attention_forward(
         raise UnsupportedAttentionFeature("attention dropout > 0 (is the model in training mode?)")
     if not getattr(module, "is_causal", True):
         raise UnsupportedAttentionFeature(f"{type(module).__name__} is not causal")
-    layer: int = module.layer_idx
-    if meta.calls is not None:
-        meta.calls.append(layer)
-
-    cache = meta.kv_cache
-    num_heads, head_dim = query.shape[1], query.shape[3]
-    num_kv_heads = key.shape[1]
-    group = num_heads // num_kv_heads
+    q_rows = query[0].transpose(0, 1)  # [T, H, D]
     k_new = key[0].transpose(0, 1)  # [T, KVH, D]
     v_new = value[0].transpose(0, 1)  # [T, KVH, D]
+    scale = scaling if scaling is not None else query.shape[3] ** -0.5
+    return attend(module.layer_idx, q_rows, k_new, v_new, meta, scale).unsqueeze(0), None  # [1, T, H, D]
+
+
+def attend(
+    layer: int,
+    q_rows: torch.Tensor,  # [T, H, D], RoPE applied
+    k_new: torch.Tensor,  # [T, KVH, D]
+    v_new: torch.Tensor,  # [T, KVH, D]
+    meta: PagedAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """One layer of paged attention for the packed step (the HF attention function and tokenflow's
+    fused layers share it): write the new K/V into the cache, attend; returns `[T, H, D]`."""
+    if meta.calls is not None:
+        meta.calls.append(layer)
+    cache = meta.kv_cache
+    num_heads, head_dim = q_rows.shape[1], q_rows.shape[2]
+    num_kv_heads = k_new.shape[1]
+    group = num_heads // num_kv_heads
     cache.k_slots[layer].index_copy_(0, meta.slot_mapping, k_new)
     cache.v_slots[layer].index_copy_(0, meta.slot_mapping, v_new)
     if cache.track_key_bounds:
         update_key_bounds(cache, layer, meta.slot_mapping, k_new)
-
-    q_rows = query[0].transpose(0, 1)  # [T, H, D]
-    scale = scaling if scaling is not None else head_dim**-0.5
     pieces: list[torch.Tensor] = []  # each [rows, H, D], in packed order
 
     for grp in meta.decodes:
@@ -206,14 +217,13 @@ def paged_attention_forward(
         if meta.matmul_attention:
             out = decode_attention(q, k, v, grp.mask, scale)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scaling)  # [n, KVH, G, D]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scale)  # [n, KVH, G, D]
         pieces.append(out.reshape(n, num_heads, head_dim))  # a view unless the kernel's layout differs
 
     for seg in meta.prefills:
-        q = query[:, :, seg.q_start : seg.q_end]  # [1, H, t, D]
         if seg.block_ids is None:  # chunk starts the sequence: its own keys are the whole context
-            k = key[:, :, seg.q_start : seg.q_end]  # [1, KVH, t, D]
-            v = value[:, :, seg.q_start : seg.q_end]
+            k = k_new[seg.q_start : seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, KVH, t, D]
+            v = v_new[seg.q_start : seg.q_end].transpose(0, 1).unsqueeze(0)
         else:
             shape = (1, seg.block_ids.shape[0] * cache.block_size, num_kv_heads, head_dim)
             k_blocks, v_blocks = cache.gather(layer, seg.block_ids)
@@ -223,14 +233,9 @@ def paged_attention_forward(
         if meta.matmul_attention:
             pieces.append(prefill_attention(q_rows[seg.q_start : seg.q_end], k[0], v[0], seg.mask, scale, meta.native))
             continue
+        q = q_rows[seg.q_start : seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
         out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=seg.mask,
-            is_causal=seg.mask is None,
-            scale=scaling,
-            enable_gqa=group > 1,
+            q, k, v, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale, enable_gqa=group > 1,
         )  # [1, H, t, D]
         pieces.append(out[0].transpose(0, 1))  # [t, H, D]
 
@@ -240,5 +245,5 @@ def paged_attention_forward(
         pieces.append(topk_attention(q_rows[sparse.row], cache, layer, sparse, scale).unsqueeze(0))
 
     if len(pieces) == 1:
-        return pieces[0].unsqueeze(0), None  # [1, T, H, D]
-    return torch.cat(pieces, dim=0).unsqueeze(0), None  # [1, T, H, D]
+        return pieces[0]
+    return torch.cat(pieces, dim=0)

@@ -88,6 +88,8 @@ class PagedBackend:
             model, kv_cache, max_model_len=ctx.max_model_len, self_check=self.config.self_check,
             window=attention.window, sinks=self.config.sink_tokens, topk_budget=attention.topk_budget,
             native_kernels=self.config.native_kernels,
+            fused_layers=self.config.fused_layers and not self.config.compile,  # compile works on the HF modules
+            pack_weights=self.config.pack_cpu_weights,
         )
         # Only once the runner has accepted the model, so that a refused one is left as it came.
         fuse_rms_norms(model, self.runner.native)
@@ -96,7 +98,7 @@ class PagedBackend:
             self.buckets = decode_buckets(self.config.max_num_seqs)
             self.scratch_block = num_blocks
             compile_mlps(model, set(self.buckets))
-        elif self.config.pack_cpu_weights:
+        elif self.config.pack_cpu_weights and self.runner.fused is None:  # the fused layers pack their own
             pack_linears(model)
         ctx.pool = self.pool
         log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,

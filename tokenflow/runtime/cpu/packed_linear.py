@@ -13,12 +13,12 @@ model's parameters stay untouched, e.g. for a tied embedding).
 
 from __future__ import annotations
 
-import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
-__all__ = ("pack_linears", "packing_available")
+__all__ = ("pack_linears", "packed_linear", "packing_available")
 
 log = logging.getLogger("tokenflow")
 
@@ -31,10 +31,19 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def _packed_forward(module: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if not x.is_contiguous():
-        x = x.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`x @ weight.T + bias` through a packed copy of `weight`; None where it does not apply."""
+    if not packing_available() or weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
+        return None
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
+    bias = None if bias is None else bias.detach()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    return forward
 
 
 def pack_linears(model: torch.nn.Module) -> int:
@@ -50,13 +59,12 @@ def pack_linears(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module) is not torch.nn.Linear:
             continue  # subclasses (quantized, LoRA, ...) keep their own forward
-        weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
+        forward = packed_linear(module.weight, module.bias)
+        if forward is None:
             continue
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
-        module.forward = functools.partial(_packed_forward, module, packed)
+        module.forward = forward
         count += 1
-        nbytes += weight.numel() * weight.element_size()
+        nbytes += module.weight.numel() * module.weight.element_size()
     if count:
         log.info("packed %d linear layers for oneDNN (%.0f MiB of weights copied)", count, nbytes / 2**20)
     return count

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from tokenflow.runtime.cpu.native_kernels import NativeKernels
 
-__all__ = ("fuse_rms_norms",)
+__all__ = ("fuse_rms_norms", "is_plain_rms_norm")
 
 # Classes whose forward is exactly `weight * (x * rsqrt(mean(x^2) + variance_epsilon))`.
 _PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
@@ -45,6 +45,12 @@ def _native_forward(module: torch.nn.Module, native: NativeKernels, hidden_state
     if hidden_states.dtype != torch.bfloat16 or not hidden_states.is_contiguous():
         return _fused_forward_rounded(module, hidden_states)
     return native.rms_norm(hidden_states, module.weight, module.variance_epsilon)
+
+
+def is_plain_rms_norm(module: object) -> bool:
+    """Whether `module` is one of the RMSNorms whose forward is exactly the one above."""
+    return (type(module).__name__ in _PLAIN_RMS_NORMS and getattr(module, "weight", None) is not None
+            and hasattr(module, "variance_epsilon"))
 
 
 def fuse_rms_norms(model: torch.nn.Module, native: NativeKernels | None = None) -> int:

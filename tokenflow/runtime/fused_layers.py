@@ -1,0 +1,144 @@
+"""The decoder of Llama-family models as one flat loop of fused operations.
+
+Why: a step through the HF modules runs ~140 tensor ops and as many Python calls per layer (views,
+transposes, RoPE's slices and concatenations, three projections for Q, K and V, two for the MLP),
+and on a CPU that overhead, not the arithmetic, is most of a small model's decode step. This loop
+reads the HF model's own weights (the model is not modified) and runs per layer: norm, one QKV
+projection, RoPE on Q and K at once, paged attention, the output projection, norm, one gate+up
+projection, SiLU-and-multiply, the down projection: about 20 ops.
+
+Same arithmetic as transformers in the same order (a projection of concatenated weights computes
+each output as the separate projection does; norms after selecting the sampled rows are row-wise),
+so fp32 greedy output stays token-identical; the runner's self-check compares it with the model's
+own attention at load. Models whose layers do anything else (Q/K norms, logit soft-capping,
+embedding scales, parallel blocks) are not matched and keep running through their HF modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenflow.runtime.attention.paged import PagedAttentionMetadata, attend
+from tokenflow.runtime.cpu.packed_linear import packed_linear
+from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
+from tokenflow.runtime.gated_mlp import is_gated_silu_mlp
+
+__all__ = ("FusedDecoder", "fused_decoder_for")
+
+# Model types whose decoder layer is exactly: x + attn(norm(x)); x + mlp(norm(x)), with plain RoPE
+# attention (Qwen2: biases on Q, K, V) and a SiLU-gated MLP.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class _Layer:
+    input_norm: Callable[[torch.Tensor], torch.Tensor]
+    qkv: Linear  # [T, hidden] -> [T, (H + 2 KVH) D]
+    o: Linear
+    post_norm: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Linear  # [T, hidden] -> [T, 2 I]
+    down: Linear
+    scale: float
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Linear:
+    """`x @ weight.T + bias`, through oneDNN's packed layout where it applies."""
+    if pack:
+        packed = packed_linear(weight, bias)
+        if packed is not None:
+            return packed
+    return lambda x: F.linear(x, weight, bias)
+
+
+def fused_decoder_for(model: torch.nn.Module, *, pack: bool) -> FusedDecoder | None:
+    """A FusedDecoder over `model`'s weights, or None when its layers are not the shape it runs."""
+    config = model.config
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return None
+    if getattr(config, "sliding_window", None) is not None:  # the HF layers' attention guards the window
+        return None
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    lm_head = getattr(model, "lm_head", None)
+    if layers is None or not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
+        return None
+    if getattr(base, "rotary_emb", None) is None or not is_plain_rms_norm(getattr(base, "norm", None)):
+        return None
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        projections = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if not all(type(p) is torch.nn.Linear for p in projections) or projections[3].bias is not None:
+            return None
+        if any(hasattr(attn, name) for name in ("q_norm", "k_norm")) or not is_gated_silu_mlp(mlp):
+            return None
+        if not (is_plain_rms_norm(layer.input_layernorm) and is_plain_rms_norm(layer.post_attention_layernorm)):
+            return None
+    return FusedDecoder(model, pack=pack)
+
+
+class FusedDecoder:
+    """Runs `model`'s decoder and head on a packed step; see the module doc."""
+
+    def __init__(self, model: torch.nn.Module, *, pack: bool) -> None:
+        base = model.model
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.final_norm = base.norm
+        self.lm_head = _linear(model.lm_head.weight, None, pack)
+        first = base.layers[0].self_attn
+        self.num_heads = model.config.num_attention_heads
+        self.head_dim = first.head_dim
+        self.num_kv_heads = first.k_proj.out_features // self.head_dim
+        self.layers: list[_Layer] = []
+        with torch.no_grad():
+            for layer in base.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+                biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+                qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
+                if qkv_b is None and any(b is not None for b in biases):
+                    raise ValueError("Q, K and V projections must all have biases or none")
+                gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                self.layers.append(_Layer(
+                    input_norm=layer.input_layernorm,
+                    qkv=_linear(qkv_w, qkv_b, pack),
+                    o=_linear(attn.o_proj.weight, None, pack),
+                    post_norm=layer.post_attention_layernorm,
+                    gate_up=_linear(gate_up_w, None, pack),
+                    down=_linear(mlp.down_proj.weight, None, pack),
+                    scale=float(attn.scaling),
+                ))
+        self.intermediate = base.layers[0].mlp.gate_proj.out_features
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
+                 meta: PagedAttentionMetadata) -> torch.Tensor:
+        """Logits `[len(logits_to_keep), vocab]` in the model's dtype for the packed step (`[1, T]` inputs)."""
+        h = self.embed(input_ids[0])  # [T, hidden]
+        cos, sin = self.rotary(h, position_ids)  # [1, T, D] each, in h's dtype
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]: one row per token, for every head
+        t = h.shape[0]
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q_end, k_end = heads * d, (heads + kv_heads) * d
+        half = d // 2
+        inter = self.intermediate
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(layer.input_norm(h))  # [T, (H + 2 KVH) D]
+            qk = qkv[:, :k_end].view(t, heads + kv_heads, d)
+            # RoPE on Q and K in one pass, as transformers' apply_rotary_pos_emb: x cos + rotate_half(x) sin
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rotated * sin  # [T, H + KVH, D]
+            v = qkv[:, k_end:].view(t, kv_heads, d)
+            out = attend(index, qk[:, :heads], qk[:, heads:], v, meta, layer.scale)  # [T, H, D]
+            h = h + layer.o(out.reshape(t, q_end))
+            gate_up = layer.gate_up(layer.post_norm(h))  # [T, 2 I]
+            hidden = F.silu(gate_up[:, :inter])
+            hidden.mul_(gate_up[:, inter:])
+            h = h + layer.down(hidden)
+        kept = h.index_select(0, logits_to_keep)  # norms are row-wise: only the sampled rows
+        return self.lm_head(self.final_norm(kept))
