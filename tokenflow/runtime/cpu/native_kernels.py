@@ -89,7 +89,7 @@ class NativeKernels:
             raise ValueError("paged decode needs a contiguous cache and block tables")
         q = q.contiguous()
         out = torch.empty_like(q)
-        scratch = torch.empty(n * kv_heads * group * (2 * head_dim + max_length), dtype=torch.float32)
+        scratch = torch.empty(n * kv_heads * group * (2 * head_dim + 2 * max_length + 2), dtype=torch.float32)
         status = self._decode(
             q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             lengths.data_ptr(), n, kv_heads, group, head_dim, block_size, max_length, scale,
