@@ -25,22 +25,23 @@ needs_compiler = pytest.mark.skipif(
 class PagedBatch:
     """A KV cache with `lengths` sequences in shuffled blocks, and their decode queries."""
 
-    def __init__(self, lengths: list[int], kv_heads: int, group: int, head_dim: int, block_size: int) -> None:
+    def __init__(self, lengths: list[int], kv_heads: int, group: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype = BF16) -> None:
         rng = random.Random(sum(lengths) + head_dim)
         g = torch.Generator().manual_seed(len(lengths) * 7 + group)
         self.lengths, self.block_size = lengths, block_size
         self.max_blocks = -(-max(lengths) // block_size)
         num_blocks = 1 + sum(-(-n // block_size) for n in lengths) + 5
         slots = num_blocks * block_size
-        self.k = torch.randn(slots, kv_heads, head_dim, generator=g).to(BF16)
-        self.v = torch.randn(slots, kv_heads, head_dim, generator=g).to(BF16)
+        self.k = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype)
+        self.v = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype)
         free = list(range(1, num_blocks))
         rng.shuffle(free)
         self.tables = torch.zeros(len(lengths), self.max_blocks, dtype=torch.long)  # padding: block 0
         for i, n in enumerate(lengths):
             for b in range(-(-n // block_size)):
                 self.tables[i, b] = free.pop()
-        self.q = torch.randn(len(lengths), kv_heads, group, head_dim, generator=g).to(BF16)
+        self.q = torch.randn(len(lengths), kv_heads, group, head_dim, generator=g).to(dtype)
         self.scale = head_dim**-0.5
 
     def torch_ops(self) -> torch.Tensor:
@@ -96,6 +97,29 @@ def test_kernel_matches_the_torch_ops_path(kv_heads: int, group: int, head_dim: 
     assert native_error.max() <= 1.5 * ops_error.max() + 1e-3
     assert native_error.mean() <= 1.2 * ops_error.mean() + 1e-5
     assert native_error.max() < 0.02  # outputs are O(1): a wrong key or block would be off by ~0.1-1
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "head_dim", "block_size"), [(3, 3, 64, 16), (2, 4, 128, 16), (4, 1, 32, 8), (2, 2, 80, 16)]
+)
+def test_fp32_kernel_matches_sdpa(kv_heads: int, group: int, head_dim: int, block_size: int) -> None:
+    """fp32 decodes read the cache in place too, as accurate as SDPA over the gathered blocks."""
+    lengths = [1, block_size, block_size + 1, 3 * block_size, 57, 200, 333, 2]
+    batch = PagedBatch(lengths, kv_heads, group, head_dim, block_size, dtype=torch.float32)
+    native, exact = batch.native(), batch.exact()
+    assert native.shape == batch.q.shape and native.dtype == torch.float32
+    n, kv_len = len(lengths), max(lengths)
+    blocks = batch.tables.view(-1)
+    shape = (n, batch.max_blocks * block_size, kv_heads, head_dim)
+    k = batch.k.view(-1, block_size, kv_heads, head_dim).index_select(0, blocks).view(shape)[:, :kv_len].transpose(1, 2)
+    v = batch.v.view(-1, block_size, kv_heads, head_dim).index_select(0, blocks).view(shape)[:, :kv_len].transpose(1, 2)
+    seen = torch.arange(kv_len)[None, :] < torch.tensor(lengths)[:, None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(batch.q, k, v, attn_mask=seen.view(n, 1, 1, kv_len),
+                                                            scale=batch.scale)
+    native_error = (native.double() - exact).abs().max().item()
+    assert native_error <= 4 * (sdpa.double() - exact).abs().max().item() + 1e-6
+    assert native_error < 1e-5
 
 
 @needs_compiler

@@ -198,11 +198,12 @@ class PagedModelRunner:
         self.num_layers = kv_cache.num_layers
         # bf16 on CPU: attention as bf16 matmuls (see tokenflow.runtime.attention.matmul)
         self.matmul_attention = kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu"
-        # ... with C kernels where they build: decodes over the cache itself, prefill softmax in one pass
-        # (tokenflow.runtime.cpu.native_kernels)
+        # C kernels where they build (tokenflow.runtime.cpu.native_kernels): decodes over the cache itself
+        # (bf16 and fp32 on CPU); with matmul attention also the prefill softmax in one pass
         group = model.config.num_attention_heads // kv_cache.num_kv_heads
-        native = native_kernels and self.matmul_attention
-        self.native = load_native_kernels(kv_cache.head_dim, group) if native else None
+        on_cpu = kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float32)
+        self.native = load_native_kernels(kv_cache.head_dim, group) if native_kernels and on_cpu else None
+        self.native_softmax = self.matmul_attention and self.native is not None
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window
         self.sinks = sinks
@@ -345,7 +346,7 @@ class PagedModelRunner:
         e = s + t
         block_ids = None if s == 0 else torch.tensor(c.block_table[: -(-e // bs)], dtype=torch.long, device=self.device)
         mask = None
-        if (s > 0 or self.matmul_attention) and self.native is None:  # the native softmax masks by position
+        if (s > 0 or self.matmul_attention) and not self.native_softmax:  # the native softmax masks by position
             # [t, e] additive: row i (position s + i) sees keys j <= s + i; two cheap ops
             mask = torch.full((t, e), float("-inf"), dtype=self.dtype, device=self.device).triu_(s + 1)
         return PrefillSegment(row, row + t, s, e, block_ids, mask)

@@ -112,7 +112,7 @@ class PagedAttentionMetadata:
     rope_inv_freq: torch.Tensor | None = None  # for re-rotating queries against sink keys
     topk: tuple[TopkDecode, ...] = ()  # attention="topk" decodes past the budget, packed last
     matmul_attention: bool = False  # decodes and prefills as bf16 matmuls, not SDPA (bf16 on CPU)
-    native: NativeKernels | None = None  # C kernels: decode groups with `lengths`, prefill softmax (bf16 CPU)
+    native: NativeKernels | None = None  # C kernels: decode groups with `lengths` (bf16, fp32), prefill softmax (bf16)
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
 
 
@@ -231,7 +231,8 @@ def attend(
             k = k_blocks.view(shape)[:, : seg.kv_len].transpose(1, 2)
             v = v_blocks.view(shape)[:, : seg.kv_len].transpose(1, 2)
         if meta.matmul_attention:
-            pieces.append(prefill_attention(q_rows[seg.q_start : seg.q_end], k[0], v[0], seg.mask, scale, meta.native))
+            native = meta.native if seg.mask is None else None  # its softmax masks by position
+            pieces.append(prefill_attention(q_rows[seg.q_start : seg.q_end], k[0], v[0], seg.mask, scale, native))
             continue
         q = q_rows[seg.q_start : seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
         out = F.scaled_dot_product_attention(

@@ -8,6 +8,7 @@
  *   it skips the gather of every sequence's blocks into a padded, head-major copy and the padding
  *   itself; with AVX512-BF16 it reads the rows in place with bf16 dot products, elsewhere each
  *   sequence's blocks are copied once into a buffer the core's cache holds and widened to fp32.
+ * - paged_decode_f32: the same in fp32.
  * - causal_softmax_bf16: the middle of a prefill tile's attention (scale, causal mask, softmax,
  *   rounding) in one pass over the scores instead of four torch ops.
  * - rms_norm_bf16: the Llama-family RMSNorm in one pass instead of ~9 torch ops.
@@ -301,6 +302,78 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
     return paged_decode_widening_bf16(q, k_cache, v_cache, tables, max_blocks, lengths, n, kv_heads, group_arg,
                                       head_dim_arg, block_size, max_length, scale, scratch, out);
 #endif
+}
+
+/* The same single-token attention in fp32 (fp32 caches and queries, no rounding), rows read in place
+ * with the next ones prefetched; scratch [n, heads * max_length] fp32. Returns 0, or -1 when group or
+ * head_dim differ from the build's. */
+int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+                     int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
+                     int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
+                     float *out)
+{
+    if (head_dim_arg != HEAD_DIM || group_arg != GROUP)
+        return -1;
+    const int64_t heads = kv_heads * GROUP, slot_stride = kv_heads * HEAD_DIM;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t seq = 0; seq < n; ++seq) {
+        const int64_t length = lengths[seq];
+        const int64_t *table = tables + seq * max_blocks;
+        float *probs = scratch + seq * heads * max_length; /* [heads, max_length] */
+        const float *q_seq = q + seq * heads * HEAD_DIM;
+        for (int64_t t = 0; t < length; ++t) {
+            const int64_t slot = table[t / block_size] * block_size + t % block_size;
+            if (t + 8 < length) {
+                const int64_t ahead = table[(t + 8) / block_size] * block_size + (t + 8) % block_size;
+                const char *pk = (const char *)(k_cache + ahead * slot_stride);
+                const char *pv = (const char *)(v_cache + ahead * slot_stride);
+                for (int64_t c = 0; c < slot_stride * 4; c += 64) {
+                    __builtin_prefetch(pk + c, 0, 0);
+                    __builtin_prefetch(pv + c, 0, 1);
+                }
+            }
+            const float *krow = k_cache + slot * slot_stride;
+            for (int64_t h = 0; h < heads; ++h) {
+                const float *k = krow + (h / GROUP) * HEAD_DIM, *qh = q_seq + h * HEAD_DIM;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t x = 0; x < HEAD_DIM; ++x)
+                    dot += qh[x] * k[x];
+                probs[h * max_length + t] = dot * scale;
+            }
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+            float *p = probs + h * max_length, top = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : top)
+            for (int64_t t = 0; t < length; ++t)
+                top = p[t] > top ? p[t] : top;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < length; ++t) {
+                p[t] = expf(p[t] - top);
+                sum += p[t];
+            }
+            const float inv = 1.f / sum;
+#pragma omp simd
+            for (int64_t t = 0; t < length; ++t)
+                p[t] *= inv;
+        }
+        for (int64_t kh = 0; kh < kv_heads; ++kh) {
+            float acc[GROUP][HEAD_DIM] __attribute__((aligned(64)));
+            memset(acc, 0, sizeof acc);
+            for (int64_t t = 0; t < length; ++t) {
+                const float *v = v_cache + (table[t / block_size] * block_size + t % block_size) * slot_stride
+                                 + kh * HEAD_DIM;
+                for (int64_t g = 0; g < GROUP; ++g) {
+                    const float w = probs[(kh * GROUP + g) * max_length + t];
+#pragma omp simd
+                    for (int64_t x = 0; x < HEAD_DIM; ++x)
+                        acc[g][x] += w * v[x];
+                }
+            }
+            memcpy(out + (seq * heads + kh * GROUP) * HEAD_DIM, acc, sizeof acc);
+        }
+    }
+    return 0;
 }
 
 /* Causal softmax of a prefill tile's scores, in place.
