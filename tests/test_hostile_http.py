@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests.servers import ServeProcess, metric_values
+from tokenflow.testing import build_tiny_model
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -28,7 +29,9 @@ GOOD = {"model": "tiny-llama", "prompt": "The quick brown fox", "max_tokens": 10
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    # an 8k context: a 6,000-token stream outlasts the 4 s deadline even on a machine twice as fast
+    tiny_model = build_tiny_model(tmp_path_factory.mktemp("models-8k") / "tiny-llama", max_position_embeddings=8192)
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     # timeout: a long stream passes its deadline mid-way; max_num_seqs: a third caller queues
     with ServeProcess(tiny_model, "--set", "max_num_seqs=2", "--set", "timeout=4", "--set", "num_threads=1",
@@ -152,7 +155,7 @@ def test_cors_is_off_by_default(served: ServeProcess) -> None:
 
 
 def test_deadline_mid_stream_is_an_error_event_then_done(served: ServeProcess) -> None:
-    body = {**GOOD, "prompt": "a long story", "max_tokens": 2000, "stream": True}
+    body = {**GOOD, "prompt": "a long story", "max_tokens": 6000, "stream": True}
     events: list[str] = []
     with httpx.stream("POST", served.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
         assert response.status_code == 200
