@@ -30,11 +30,11 @@ GOOD = {"model": "tiny-llama", "prompt": "The quick brown fox", "max_tokens": 10
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    # an 8k context: a 6,000-token stream outlasts the 4 s deadline even on a machine twice as fast
+    # an 8k context: an 8,000-token stream outlasts the 8 s deadline even on a machine twice as fast
     tiny_model = build_tiny_model(tmp_path_factory.mktemp("models-8k") / "tiny-llama", max_position_embeddings=8192)
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     # timeout: a long stream passes its deadline mid-way; max_num_seqs: a third caller queues
-    with ServeProcess(tiny_model, "--set", "max_num_seqs=2", "--set", "timeout=4", "--set", "num_threads=1",
+    with ServeProcess(tiny_model, "--set", "max_num_seqs=2", "--set", "timeout=8", "--set", "num_threads=1",
                       env={"TOKENFLOW_API_KEY": KEY}, log=log) as server:
         yield server
 
@@ -155,7 +155,7 @@ def test_cors_is_off_by_default(served: ServeProcess) -> None:
 
 
 def test_deadline_mid_stream_is_an_error_event_then_done(served: ServeProcess) -> None:
-    body = {**GOOD, "prompt": "a long story", "max_tokens": 6000, "stream": True}
+    body = {**GOOD, "prompt": "a long story", "max_tokens": 8000, "stream": True}
     events: list[str] = []
     with httpx.stream("POST", served.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
         assert response.status_code == 200
@@ -187,11 +187,12 @@ def test_a_client_that_hangs_up_aborts_its_request(served: ServeProcess) -> None
     assert _aborted(served) == before + 1
     assert _wait_idle(served)["tokenflow_kv_blocks_used"] == 0
 
-    # two long streams fill max_num_seqs=2; a third caller queues, then hangs up while queued
+    # two long streams fill max_num_seqs=2 (until the test lets go); a third caller queues, then hangs up
     stop = threading.Event()
+    held = {**long, "max_tokens": 6000, "stream": True}
 
     def hold() -> None:
-        with httpx.stream("POST", served.url + "/v1/completions", json={**long, "stream": True}, headers=AUTH,
+        with httpx.stream("POST", served.url + "/v1/completions", json=held, headers=AUTH,
                           timeout=60) as response:
             for _ in response.iter_lines():
                 if stop.is_set():

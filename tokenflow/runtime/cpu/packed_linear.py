@@ -7,7 +7,7 @@ oneDNN's blocked layout, packed once at load, streams them closer to it, so
 decode steps (memory-bound: every token reads every weight) run faster, and
 large batches about as fast as plain.
 
-fp32 and bf16 are packed. The cost is a second copy of the linear weights (the
+fp32 is packed, and bf16 where oneDNN has a bf16 path for this CPU. The cost is a second copy of the linear weights (the
 model's parameters stay untouched, e.g. for a tied embedding).
 """
 
@@ -35,6 +35,8 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[
     """`x @ weight.T + bias` through a packed copy of `weight`; None where it does not apply."""
     if not packing_available() or weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
         return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None  # oneDNN's bf16 path needs AVX512 (or AVX-NE-CONVERT); plain linear still works
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
     bias = None if bias is None else bias.detach()
 
