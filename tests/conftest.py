@@ -25,6 +25,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with an 8k context: for prompts and streams longer than 2,048 tokens."""
+    return build_tiny_model(tmp_path_factory.mktemp("models-8k") / "tiny-llama", max_position_embeddings=8192)
+
+
+@pytest.fixture(scope="session")
 def real_model() -> Path:
     """The embedded default (SmolLM2-135M-Instruct), fetched and converted once per machine."""
     from tokenflow.hub import resolve_model

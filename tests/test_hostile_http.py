@@ -19,7 +19,6 @@ import openai
 import pytest
 
 from tests.servers import ServeProcess, metric_values
-from tokenflow.testing import build_tiny_model
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -29,12 +28,11 @@ GOOD = {"model": "tiny-llama", "prompt": "The quick brown fox", "max_tokens": 10
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+def served(long_context_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     # an 8k context: an 8,000-token stream outlasts the 8 s deadline even on a machine twice as fast
-    tiny_model = build_tiny_model(tmp_path_factory.mktemp("models-8k") / "tiny-llama", max_position_embeddings=8192)
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     # timeout: a long stream passes its deadline mid-way; max_num_seqs: a third caller queues
-    with ServeProcess(tiny_model, "--set", "max_num_seqs=2", "--set", "timeout=8", "--set", "num_threads=1",
+    with ServeProcess(long_context_model, "--set", "max_num_seqs=2", "--set", "timeout=8", "--set", "num_threads=1",
                       env={"TOKENFLOW_API_KEY": KEY}, log=log) as server:
         yield server
 

@@ -12,12 +12,6 @@ import anyio
 import pytest
 
 from tokenflow import Engine
-from tokenflow.testing import build_tiny_model
-
-
-@pytest.fixture(scope="module")
-def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-8k", max_position_embeddings=8192)
 
 
 async def _flood_with_long_prompt(

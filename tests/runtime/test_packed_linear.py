@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenflow.runtime.cpu.packed_linear import pack_linears, packing_available
+from tokenflow.runtime.cpu.packed_linear import pack_linears, packed_dtypes, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
@@ -19,8 +19,7 @@ def test_packed_linear_matches_f_linear_for_any_row_count(bias: bool, dtype: tor
     model = torch.nn.Sequential(torch.nn.Linear(96, 160, bias=bias), torch.nn.Linear(160, 48, bias=bias)).to(dtype)
     plain = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone()) for m in model]
     # bf16 is packed only where oneDNN has a bf16 path (AVX512 or AVX-NE-CONVERT); elsewhere it stays plain
-    packs = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert pack_linears(model) == (2 if packs else 0)
+    assert pack_linears(model) == (2 if dtype in packed_dtypes() else 0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: a different summation order rounds differently
     with torch.inference_mode():
         for rows in (1, 2, 7, 16, 129, 600):

@@ -7,23 +7,24 @@ oneDNN's blocked layout, packed once at load, streams them closer to it, so
 decode steps (memory-bound: every token reads every weight) run faster, and
 large batches about as fast as plain.
 
-fp32 is packed, and bf16 where oneDNN has a bf16 path for this CPU. The cost is a second copy of the linear weights (the
-model's parameters stay untouched, e.g. for a tied embedding).
+fp32 is packed, and bf16 where oneDNN has a bf16 path for this CPU. The cost is
+a second copy of the linear weights (the model's parameters stay untouched, e.g.
+for a tied embedding).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
 import torch
 
-__all__ = ("pack_linears", "packed_linear", "packing_available")
+__all__ = ("pack_linears", "packed_dtypes", "packed_linear", "packing_available")
 
 log = logging.getLogger("tokenflow")
 
 PACK_FOR_ROWS = 128  # oneDNN picks the blocked layout for this many rows; any row count still works
-_PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_available() -> bool:
@@ -31,12 +32,19 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+@functools.cache
+def packed_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes oneDNN packs on this CPU: fp32, and bf16 where it has a bf16 path (AVX512, AVX-NE-CONVERT)."""
+    if not packing_available():
+        return frozenset()
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
+
+
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """`x @ weight.T + bias` through a packed copy of `weight`; None where it does not apply."""
-    if not packing_available() or weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
-        return None
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None  # oneDNN's bf16 path needs AVX512 (or AVX-NE-CONVERT); plain linear still works
+    if weight.device.type != "cpu" or weight.dtype not in packed_dtypes():
+        return None  # plain linear still works
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
     bias = None if bias is None else bias.detach()
 
