@@ -60,16 +60,17 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
                      "frequency_penalty", "timeout", "deadline"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
-                raise ValueError(f"`{name}` must be a finite number, got {value!r}")
+                raise InvalidRequest(f"`{name}` must be a finite number, got {value!r}", field=name)
         for stop in self.stop:
             if not stop:
-                raise ValueError("`stop` strings must be non-empty")
+                raise InvalidRequest("`stop` strings must be non-empty", field="stop")
             try:
                 stop.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError("`stop` strings must be valid Unicode (no lone surrogates)") from None
+                raise InvalidRequest("`stop` strings must be valid Unicode (no lone surrogates)",
+                                     field="stop") from None
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ValueError("`seed` must fit in 64 bits")
+            raise InvalidRequest("`seed` must fit in 64 bits", field="seed")
 
     @property
     def greedy(self) -> bool:
