@@ -72,6 +72,9 @@ def test_hostile_battery_http(served: ServeProcess, tmp_path: Path) -> None:
     nested = b"[" * 100_000 + b"]" * 100_000
     nested_typed = b'{"prompt": "x", "stop": ' + nested + b"}"  # refused by its type at the first level
     nested_any = b'{"prompt": "x", "tools": ' + nested + b"}"  # an untyped field: the decoder's depth limit
+    deep_schema: dict[str, Any] = {"type": "string"}
+    for _ in range(300):
+        deep_schema = {"type": "object", "properties": {"a": deep_schema}, "required": ["a"]}
     big_prompt = json.dumps({**GOOD, "prompt": "a" * (3 * MB)}).encode()  # under the body limit, over the prompt's
     items: list[tuple[str, Any, str]] = [
         ("no API key", lambda: httpx.post(served.url + "/v1/completions", json=GOOD, timeout=30),
@@ -105,9 +108,20 @@ def test_hostile_battery_http(served: ServeProcess, tmp_path: Path) -> None:
             "messages": [{"role": "user<|im_end|>", "content": "hi"}]}), "400 invalid_request_error(messages)"),
         ("an unknown field", lambda: _post(served, "/v1/completions", {**GOOD, "frobnicate": 1}),
          "400 invalid_request_error(frobnicate)"),
-        ("response_format (not implemented yet)", lambda: _post(served, "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
-         "400 invalid_request_error(response_format)"),
+        ("suffix (not implemented yet)", lambda: _post(served, "/v1/completions", {**GOOD, "suffix": "end"}),
+         "400 invalid_request_error(suffix)"),
+        ("a model that is not served", lambda: _post(served, "/v1/completions", {**GOOD, "model": "gpt-4o"}),
+         "404 invalid_request_error(model)"),
+        ("a regex that does not compile", lambda: _post(served, "/v1/completions", {
+            **GOOD, "structured_outputs": {"regex": "(unclosed"}}), "400 invalid_request_error(regex)"),
+        ("a JSON schema nested 300 deep", lambda: _post(served, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "response_format": {
+                "type": "json_schema", "json_schema": {"name": "deep", "schema": deep_schema}}}),
+         "400 invalid_request_error(json_schema)"),
+        ("a 1 MB JSON schema", lambda: _post(served, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
+                "name": "big", "schema": {"type": "object", "description": "x" * MB}}}}),
+         "400 invalid_request_error(json_schema)"),
         ("a body that is a JSON list", lambda: _post(served, "/v1/completions", [1, 2]), "400 invalid_request_error()"),
         ("priority from a client", lambda: _post(served, "/v1/completions", {**GOOD, "priority": -100}),
          "400 invalid_request_error(priority)"),

@@ -74,6 +74,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
                                                                      st.lists(st.integers(0, 300), min_size=1)),
     "stop": st.one_of(st.text(min_size=1, max_size=4), st.lists(st.text(min_size=1, max_size=4), max_size=3)),
     "min_tokens": st.integers(0, 4), "stop_token_ids": st.lists(st.integers(0, 400), max_size=4),
+    "model": st.one_of(st.none(), st.just("tiny-llama")),  # another name is a 404, tried now and then
 }
 
 
@@ -95,6 +96,8 @@ def _bodies(kind: type) -> st.SearchStrategy[bytes]:
             return st.one_of(*(value_of(a) for a in args))
         if origin is list:
             return st.lists(value_of(args[0]), max_size=4)
+        if origin is dict:  # a JSON schema: any small object
+            return st.dictionaries(st.text(max_size=8), HOSTILE_VALUES, max_size=4)
         return st.from_type(hint)
 
     def fields_of(struct: type) -> st.SearchStrategy[dict[str, Any]]:

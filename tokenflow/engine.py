@@ -37,6 +37,7 @@ from tokenflow.runtime.model_thread import ModelThread
 from tokenflow.runtime.sampler import make_generator
 from tokenflow.stages.response_tier import serving_key
 from tokenflow.step_loop import StepLoop
+from tokenflow.structured.grammar import GrammarCompiler, constraint_field
 
 __all__ = ("Engine",)
 
@@ -127,6 +128,8 @@ class Engine:
         self.loaded = loaded
         self.limits = RequestLimits.from_config(config, loaded.max_model_len, loaded.tokenizer)
         self.output = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, loaded.max_model_len)
+        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids,
+                                        config.grammar_cache_size)
         self._loop = StepLoop(
             backend, scheduler, self.output, loaded, ctx.observers, model_thread=model_thread, pool=ctx.pool,
             debug_leaks=config.debug_leaks,
@@ -217,6 +220,8 @@ class Engine:
         if self._loop is not None:
             # what dtype="auto" chose on this machine, and where the model runs
             stats["dtype"] = str(self.loaded.dtype).removeprefix("torch.")
+            stats["structured"] = {"grammars_compiled": self.grammars.num_compiled,
+                                   "grammar_cache_hits": self.grammars.num_cache_hits}
             stats["device"] = str(self.loaded.device)
             stats.update(self._loop.stats())
         for stage in self._stages:
@@ -268,6 +273,12 @@ class Engine:
         self._check_open()
         assert self._loop is not None and self.limits is not None
         request.max_tokens = self.limits.max_new_tokens(request.params, request.num_prompt_tokens)
+        if request.params.structured:
+            if self._loop.static:
+                raise InvalidRequest("structured outputs need a step backend (`paged`), not a static one",
+                                     field=constraint_field(request.params))
+            # compiled off the event loop (a new grammar takes milliseconds; cached ones are copied)
+            request.constraint = await anyio.to_thread.run_sync(self.grammars.matcher, request.params)
         self.output.prepare(request)
         if request.params.seed is not None:
             request.generator = make_generator(request.params.seed, self.loaded.device)

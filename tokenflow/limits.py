@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from tokenflow.config import EngineConfig
 from tokenflow.errors import InvalidRequest
 from tokenflow.params import SamplingParams
@@ -39,6 +41,7 @@ class RequestLimits:
     max_stop_string_chars: int
     max_stop_token_ids: int
     max_logprobs: int
+    max_grammar_chars: int
     default_max_tokens: int
     clamp_max_tokens: bool
 
@@ -48,7 +51,8 @@ class RequestLimits:
         return cls(
             max_model_len=max_model_len, max_prompt_chars=prompt_chars, max_stop_strings=config.max_stop_strings,
             max_stop_string_chars=config.max_stop_string_chars, max_stop_token_ids=config.max_stop_token_ids,
-            max_logprobs=config.max_logprobs, default_max_tokens=config.default_max_tokens,
+            max_logprobs=config.max_logprobs, max_grammar_chars=config.max_grammar_chars,
+            default_max_tokens=config.default_max_tokens,
             clamp_max_tokens=config.clamp_max_tokens,
         )
 
@@ -66,8 +70,28 @@ class RequestLimits:
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise InvalidRequest(f"logprobs may be at most {self.max_logprobs}, got {params.logprobs}",
                                  field="logprobs")
+        if params.structured:
+            self._check_constraint_size(params)
         if params.max_tokens is not None and params.max_tokens >= self.max_model_len and not self.clamp_max_tokens:
             raise InvalidRequest(self._too_many_tokens(self.max_model_len - 1, params.max_tokens), field="max_tokens")
+
+    def _check_constraint_size(self, params: SamplingParams) -> None:
+        for name in ("json_schema", "regex", "grammar", "choice"):
+            value = getattr(params, name)
+            if value is None:
+                continue
+            if isinstance(value, str):
+                size = len(value)
+            elif isinstance(value, list):
+                size = sum(len(c) for c in value)
+            else:
+                try:
+                    size = len(msgspec.json.encode(value))
+                except (TypeError, msgspec.EncodeError, RecursionError) as exc:
+                    raise InvalidRequest(f"`{name}` is not JSON: {exc}", field=name) from None
+            if size > self.max_grammar_chars:
+                raise InvalidRequest(f"`{name}` has {size} characters; this engine takes at most "
+                                     f"{self.max_grammar_chars} (max_grammar_chars)", field=name)
 
     def check_prompt(self, prompt: Any, messages: Sequence[Any] | None) -> None:
         """Refuse prompts that cannot fit before they are tokenized (types are checked later)."""

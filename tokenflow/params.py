@@ -13,7 +13,9 @@ import msgspec
 
 from tokenflow.errors import InvalidRequest
 
-__all__ = ("Chunk", "Completion", "FinishReason", "SamplingParams", "TokenLogprob", "Usage")
+__all__ = ("STRUCTURED_FIELDS", "Chunk", "Completion", "FinishReason", "SamplingParams", "TokenLogprob", "Usage")
+
+STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -54,6 +56,12 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     deadline: float | None = None
     cache_salt: str | None = None
     cache_response: bool | None = None  # None: the engine's `response_cache` setting decides
+    # -- structured outputs: at most one; the output is constrained to match it --
+    json_schema: dict[str, Any] | str | None = None  # a JSON schema (or its JSON text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -71,6 +79,29 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
                                      field="stop") from None
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidRequest("`seed` must fit in 64 bits", field="seed")
+        self._check_constraint()
+
+    def _check_constraint(self) -> None:
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) not in (None, False)]
+        if len(given) > 1:
+            raise InvalidRequest(f"`{given[1]}`: at most one output constraint per request, got {', '.join(given)}",
+                                 field=given[1])
+        if self.choice is not None and (not self.choice or not all(self.choice)):
+            raise InvalidRequest("`choice` must be a non-empty list of non-empty strings", field="choice")
+        for name in ("regex", "grammar", "json_schema", "choice"):
+            value = getattr(self, name)
+            for text in value if isinstance(value, list) else [value] if isinstance(value, str) else []:
+                if not text.strip() and name != "choice":
+                    raise InvalidRequest(f"`{name}` must not be empty", field=name)
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise InvalidRequest(f"`{name}` must be valid Unicode (no lone surrogates)", field=name) from None
+
+    @property
+    def structured(self) -> bool:
+        """Whether the output is constrained by a schema, regex, choice or grammar."""
+        return any(getattr(self, name) not in (None, False) for name in STRUCTURED_FIELDS)
 
     @property
     def greedy(self) -> bool:

@@ -16,6 +16,7 @@ from tokenflow.params import Chunk, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     import torch
+    from llguidance import LLMatcher
 
     from tokenflow.output.detokenizer import IncrementalDetokenizer
     from tokenflow.output.stops import StopStringMatcher
@@ -125,6 +126,7 @@ class Request:
     generator: torch.Generator | None = None  # a seeded request's own (`runtime.sampler.make_generator`)
     detokenizer: IncrementalDetokenizer | None = None  # set by the output processor before it runs
     stop_matcher: StopStringMatcher | None = None
+    constraint: LLMatcher | None = None  # structured output: the grammar state its tokens have reached
     response_record: list[Chunk] | None = None  # chunks emitted so far, kept for a response tier to store
     num_prefix_queried_tokens: int = 0  # prompt tokens already counted in the prefix cache's hit rate
     # Plugin state: one entry per `RequestSlot` (typed by the slot), never a free string-keyed dict.

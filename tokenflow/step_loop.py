@@ -48,6 +48,7 @@ from tokenflow.request import Request, RequestStatus
 from tokenflow.runtime.loader import LoadedModel
 from tokenflow.runtime.model_thread import ModelThread
 from tokenflow.runtime.sampler import RowFailure, Sampler, SamplerOutput, row_of
+from tokenflow.structured.bitmask import MaskFiller
 
 __all__ = ("MAX_CONSECUTIVE_FAILURES", "KVLeakError", "StepLoop")
 
@@ -79,6 +80,7 @@ class StepLoop:
         self.pool = pool
         self.output = output
         self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
+        self.masks = MaskFiller(loaded.vocab_size)  # structured outputs' token masks, beside the forward pass
         self.static = bool(getattr(backend, "static", False))
         self.dead = False
         self._wake = anyio.Event()
@@ -195,16 +197,22 @@ class StepLoop:
             recent.append((self.last_step_ms, self.last_forward_ms))
 
     def _execute(self, plan: StepPlan) -> StepOutput:
-        """Model thread: forward + sample (+ the argmax after each draft token)."""
-        t0 = time.perf_counter()
-        logits = self.backend.execute(plan)
-        self.last_forward_ms = (time.perf_counter() - t0) * 1e3
+        """Model thread: forward + sample (+ the argmax after each draft token). Constrained rows' masks
+        are filled on the mask worker while the forward pass runs."""
         sampling = [c for c in plan.chunks if c.samples]
+        constrained = [(j, c.request.constraint) for j, c in enumerate(sampling) if c.request.constraint is not None]
+        filling = self.masks.start(constrained)
+        t0 = time.perf_counter()
+        try:
+            logits = self.backend.execute(plan)
+        finally:
+            masks = filling.result() if filling is not None else None  # never leave the worker mid-fill
+        self.last_forward_ms = (time.perf_counter() - t0) * 1e3
         rows = [row_of(c.request) for c in sampling]
         if not rows:
             return StepOutput(SamplerOutput(token_ids=[], logprobs=None), [])
         if not any(c.draft for c in sampling):
-            return StepOutput(self.sampler.sample(logits, rows), [[] for _ in rows])
+            return StepOutput(self.sampler.sample(logits, rows, masks), [[] for _ in rows])
         argmax = logits[:, : self.sampler.vocab_size].argmax(-1).tolist()  # columns past the vocab are padding
         first: list[int] = []  # each sampling chunk's row of logits for its known token
         row = 0
@@ -212,7 +220,7 @@ class StepLoop:
             first.append(row)
             row += 1 + len(c.draft)
         after_draft = [argmax[r + 1:r + 1 + len(c.draft)] for r, c in zip(first, sampling)]
-        return StepOutput(self.sampler.sample(logits[first], rows), after_draft)
+        return StepOutput(self.sampler.sample(logits[first], rows, masks), after_draft)
 
     async def _run_static_batch(self) -> None:
         scheduler = self.scheduler

@@ -17,8 +17,10 @@ async def test_summarize_and_openai_routes(tokenflow_engine) -> None:
             summary = (await client.post("/summarize", json={"text": "a long text", "words": 5})).json()
             assert summary["tokens"] <= 10 and summary["finish_reason"] in ("stop", "length")
             chat = await client.post("/v1/chat/completions", json={
-                "model": "any", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+                "model": tokenflow_engine.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
             assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] <= 4
+            unknown = await client.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+            assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
             bad = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
             assert (await client.get("/health")).json() == {"status": "ok"}

@@ -3,6 +3,10 @@
 * Decode step time at batch 1 and 16, with and without `compile=True`
   (each engine warmed up first, so compilation is not in the numbers): the
   median over the run of the whole step and of its model forward.
+* Structured outputs: decode step time at batch 16 with and without a
+  JSON-schema constraint on every row (the masks are filled beside the
+  forward pass), and the first request's costs: building the grammar
+  library's view of the vocabulary, and compiling the schema.
 * The scheduler's own time per step with 64 running sequences (no model):
   `schedule()` and `update_from_output()` over the prefix cache, as the step
   loop calls them.
@@ -39,6 +43,52 @@ async def _decode_rows(model: str, compile: bool, batches: tuple[int, ...], step
         rows.append({"compile": compile, "batch": batch, "step_ms": t["step"], "forward_ms": t["forward"],
                      "steps": t["count"]})
     return rows
+
+
+# At least 40 items: the output is still inside the array when the step budget ends, so every row stays
+# constrained (and running) for the whole pass.
+LIST_SCHEMA = {"type": "array", "minItems": 40, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                     "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"], "additionalProperties": False}}
+
+
+async def _structured_rows(model: str, steps: int) -> list[dict[str, Any]]:
+    from tokenflow.engine import Engine
+
+    rows = []
+    for label, extra in (("none", {}), ("json_schema", {"json_schema": LIST_SCHEMA})):
+        async with Engine(model, warmup=True, max_num_seqs=16) as engine:
+            for round_ in range(2):
+                async with anyio.create_task_group() as tg:
+                    for i in range(16):
+                        prompt = [(31 * i + 7 * j + round_) % 20000 + 100 for j in range(64)]
+                        tg.start_soon(lambda p=prompt, i=i, extra=extra: engine.generate(
+                            p, max_tokens=steps, temperature=1.0, seed=i, ignore_eos=True, **extra))
+            t = engine.stats()["decode_step_ms_by_batch"].get(16)
+        rows.append({"constraint": label, "batch": 16, "step_ms": t["step"], "forward_ms": t["forward"],
+                     "steps": t["count"]})
+    return rows
+
+
+def grammar_compile_ms(model: str) -> dict[str, float]:
+    """Milliseconds to build the grammar library's vocabulary view, then to compile LIST_SCHEMA."""
+    from transformers import AutoTokenizer
+
+    from tokenflow.params import SamplingParams
+    from tokenflow.structured.grammar import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}), cache_size=4)
+    started = time.perf_counter()
+    compiler.tokenizer()
+    built = time.perf_counter()
+    compiler.matcher(SamplingParams(json_schema=LIST_SCHEMA))
+    compiled = time.perf_counter()
+    compiler.matcher(SamplingParams(json_schema=LIST_SCHEMA))
+    cached = time.perf_counter()
+    return {"vocabulary_ms": round((built - started) * 1e3, 1), "compile_ms": round((compiled - built) * 1e3, 1),
+            "cached_ms": round((cached - compiled) * 1e3, 2)}
 
 
 def scheduler_us_per_step(num_running: int = 64, prompt_tokens: int = 300, steps: int = 200) -> dict[str, float]:
@@ -93,7 +143,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for compile in (False, True):
         rows += await _decode_rows(model, compile, (1, 16), args.steps)
-    return {"decode": rows, "scheduler": scheduler_us_per_step()}
+    structured = await _structured_rows(model, args.steps)
+    compile_ms = await anyio.to_thread.run_sync(grammar_compile_ms, model)
+    return {"decode": rows, "structured": structured, "grammar": compile_ms, "scheduler": scheduler_us_per_step()}
 
 
 def run_bench_step(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,6 +153,14 @@ def run_bench_step(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{'compile':>8}{'batch':>7}{'step ms':>10}{'forward ms':>12}{'steps':>7}")
     for r in results["decode"]:
         print(f"{r['compile']!s:>8}{r['batch']:>7}{r['step_ms']:>10}{r['forward_ms']:>12}{r['steps']:>7}")
+    none, constrained = (r["step_ms"] for r in results["structured"])
+    print(f"{'constraint':>12}{'batch':>7}{'step ms':>10}{'forward ms':>12}{'steps':>7}")
+    for r in results["structured"]:
+        print(f"{r['constraint']:>12}{r['batch']:>7}{r['step_ms']:>10}{r['forward_ms']:>12}{r['steps']:>7}")
+    print(f"json_schema on every row: {100 * (constrained / none - 1):+.1f}% step time at batch 16")
+    g = results["grammar"]
+    print(f"first constrained request: vocabulary {g['vocabulary_ms']} ms once per engine, schema compile "
+          f"{g['compile_ms']} ms, cached {g['cached_ms']} ms")
     s = results["scheduler"]
     print(f"scheduler: {s['median_us']} us per step median ({s['p99_us']} us p99) with {s['running']} running")
     if args.json_out:

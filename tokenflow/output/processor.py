@@ -51,6 +51,11 @@ class OutputProcessor:
 
         finish: str | None = None
         text = ""
+        constraint = request.constraint
+        if constraint is not None:  # the grammar moves on; once it has nothing left to match, the output is done
+            constraint.consume_token(token_id)
+            if constraint.is_stopped():
+                finish = "stop"
         if num_out > params.min_tokens and (
             token_id in request.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
         ):
@@ -58,7 +63,7 @@ class OutputProcessor:
             request.stop_reason = token_id if token_id in request.stop_token_ids else None
         else:
             assert request.detokenizer is not None
-            text = request.detokenizer.push(token_id)
+            text = request.detokenizer.push(token_id)  # a grammar's final token still has its text
             stops = request.stop_matcher
             if stops is not None:
                 text, matched = stops.feed(text)

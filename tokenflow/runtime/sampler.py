@@ -29,6 +29,7 @@ import torch
 from tokenflow.errors import EngineError, InvalidRequest
 from tokenflow.params import SamplingParams, TokenLogprob
 from tokenflow.request import Request
+from tokenflow.structured.bitmask import StepMasks, apply_bitmask
 
 __all__ = ("RowFailure", "Sampler", "SamplerOutput", "SamplingRow", "has_penalty", "make_generator", "row_of")
 
@@ -103,15 +104,29 @@ class Sampler:
         self._scratch: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """`logits` is `[len(rows), >= vocab]` in any float dtype; it is never modified."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow], masks: StepMasks | None = None
+               ) -> SamplerOutput:
+        """`logits` is `[len(rows), >= vocab]` in any float dtype; it is never modified. `masks`: the
+        allowed tokens of constrained rows (structured outputs), applied before anything else, so
+        logprobs are those of the constrained distribution (as vLLM reports them)."""
         n = len(rows)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {n} rows")
         if n == 0:
             return SamplerOutput([], None)
         src = logits[:, : min(self.vocab_size, logits.shape[1])]  # columns past the vocab are padding
-        raw = src if src.dtype == torch.float32 else self._buf("raw", *src.shape, src).copy_(src)
+        copy = src.dtype != torch.float32 or masks is not None
+        raw = self._buf("raw", *src.shape, src).copy_(src) if copy else src
+        if masks is not None:
+            apply_bitmask(raw, masks.rows, masks.words)
+        output = self._sample(raw, rows)
+        if masks is not None:
+            for row, error in masks.errors.items():
+                output.failed[row] = RowFailure(f"the output constraint cannot go on: {error}", model_fault=False)
+        return output
+
+    def _sample(self, raw: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        n = len(rows)
         params = [r.params for r in rows]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         stats = self._logprob_stats(raw, lp_rows, max(p.logprobs or 0 for p in params)) if lp_rows else None

@@ -274,6 +274,9 @@ async def metrics(request: Request, settings: HTTPSettings) -> Response:
 async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Response:
     engine: Engine = request.app.state.engine
     body = decode_body(await _read_body(request, settings.max_request_bytes), chat)
+    if body.model is not None and body.model != engine.model_name:  # as OpenAI and vLLM: not a silent fallback
+        return _json_error(404, f"The model `{body.model}` does not exist; this server serves `{engine.model_name}`.",
+                           "invalid_request_error", code="model_not_found", param="model")
     prompt, kwargs = to_engine_kwargs(body)
     kwargs = await _apply_policy(request, kwargs, settings)
     rid = response_id(chat)
@@ -437,7 +440,7 @@ def _error(exc: TokenflowError) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _json_error(status: int, message: str, kind: str, *, code: str | None = None,
+def _json_error(status: int, message: str, kind: str, *, code: str | None = None, param: str | None = None,
                 headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)

@@ -45,6 +45,35 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         return message
 
 
+class TextFormat(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class JsonObjectFormat(msgspec.Struct, tag="json_object", tag_field="type", forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class JsonSchemaSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str
+    schema: dict[str, Any] = {}  # OpenAI: absent means any JSON
+    description: str | None = None
+    strict: bool | None = None  # the output always follows the schema here
+
+
+class JsonSchemaFormat(msgspec.Struct, tag="json_schema", tag_field="type", forbid_unknown_fields=True, frozen=True):
+    json_schema: JsonSchemaSpec
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """vLLM's `structured_outputs` extra: one constraint."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Fields both routes take: OpenAI's, then vLLM-style extras (sent through a client's `extra_body`)."""
 
@@ -71,14 +100,14 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     priority: int | None = None  # only when the server trusts clients with it (see HTTPSettings)
     cache_salt: str | None = None  # likewise
     # OpenAI fields not implemented yet: refused by name when present (never silently dropped).
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     logit_bias: Any = None
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    structured_outputs: Any = None
     best_of: Any = None
 
 
@@ -96,8 +125,8 @@ class CompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True
     suffix: Any = None
 
 
-_UNSUPPORTED = ("logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions",
-                "function_call", "structured_outputs", "best_of", "echo", "suffix")
+_UNSUPPORTED = ("logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+                "best_of", "echo", "suffix")
 # Body fields that become the Engine keyword of the same name when present.
 PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                "repetition_penalty", "ignore_eos", "priority", "cache_salt", "min_tokens", "stop_token_ids",
@@ -146,9 +175,30 @@ def to_engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> tuple[A
             kwargs["logprobs"] = body.logprobs
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
+    kwargs.update(_constraint(body))
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     return prompt, kwargs
+
+
+def _constraint(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """Engine keywords of the body's output constraint: `response_format` or vLLM's `structured_outputs`."""
+    found: dict[str, Any] = {}
+    fmt = body.response_format
+    if isinstance(fmt, JsonObjectFormat):
+        found["json_object"] = True
+    elif isinstance(fmt, JsonSchemaFormat):
+        found["json_schema"] = fmt.json_schema.schema or {"type": "object"}
+    extra = body.structured_outputs
+    if extra is not None:
+        named = {"json_schema": extra.json, "regex": extra.regex, "choice": extra.choice, "grammar": extra.grammar,
+                 "json_object": extra.json_object or None}
+        given = {k: v for k, v in named.items() if v is not None}
+        if found and given:
+            raise InvalidRequest("give either `response_format` or `structured_outputs`, not both",
+                                 field="structured_outputs")
+        found = given
+    return found
 
 
 def _completion_prompt(prompt: str | list[Any]) -> str | list[int]:

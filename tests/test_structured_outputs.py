@@ -1,0 +1,208 @@
+"""Structured outputs: every sampled output matches its JSON schema, regex, choice or grammar, even from a
+random-weight model at temperature 1 (the model pushes against the constraint at every token); bad
+constraints are typed errors that cost nobody else their request; unconstrained rows of the same step are
+untouched."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import anyio
+import jsonschema
+import pytest
+
+from tokenflow import Engine
+from tokenflow.errors import InvalidRequest
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10},
+                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+    },
+    "required": ["name", "age", "role", "address", "tags"],
+    "additionalProperties": False,
+}
+
+
+async def _many(engine: Engine, count: int, **kwargs) -> list[str]:
+    texts: list[str] = []
+
+    async def one(seed: int) -> None:
+        done = await engine.generate("Describe a person:", temperature=1.0, seed=seed, max_tokens=400, **kwargs)
+        assert done.finish_reason == "stop", (done.finish_reason, done.text)
+        texts.append(done.text)
+
+    async with anyio.create_task_group() as tg:
+        for seed in range(count):
+            tg.start_soon(one, seed)
+    return texts
+
+
+async def test_json_schema_holds_for_every_sample(tiny_model) -> None:
+    async with Engine(tiny_model, max_num_seqs=8) as engine:
+        texts = await _many(engine, 16, json_schema=PERSON)
+        for text in texts:
+            jsonschema.validate(json.loads(text), PERSON)
+        assert len(set(texts)) > 8  # sampled, not one canned answer
+        as_text = await engine.generate("x", json_schema=json.dumps(PERSON), temperature=1.0, seed=3, max_tokens=400)
+        jsonschema.validate(json.loads(as_text.text), PERSON)
+        assert engine.stats()["structured"]["grammars_compiled"] == 1  # the dict and its JSON text: one grammar
+
+
+async def test_json_object_regex_choice_and_grammar(tiny_model) -> None:
+    async with Engine(tiny_model, max_num_seqs=8) as engine:
+        small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                 "additionalProperties": False}
+        for text in await _many(engine, 6, json_schema=small):
+            assert text in ('{"ok": true}', '{"ok": false}'), text  # the layout: one space after ':'
+        for text in await _many(engine, 8, regex=r"[A-Z][a-z]{2,5}-[0-9]{3}"):
+            assert re.fullmatch(r"[A-Z][a-z]{2,5}-[0-9]{3}", text), text
+        choices = ["red", "green", "blue\n\"quoted\""]
+        picked = await _many(engine, 12, choice=choices)
+        assert set(picked) <= set(choices) and len(set(picked)) > 1
+        lark = 'start: "(" num " " op " " num ")"\nop: "+" | "-" | "*"\nnum: /[1-9][0-9]?/'
+        for text in await _many(engine, 6, grammar=lark):
+            assert re.fullmatch(r"\([1-9][0-9]? [+*-] [1-9][0-9]?\)", text), text
+
+
+async def test_bad_constraints_are_typed_errors_and_others_are_served(tiny_model) -> None:
+    async with Engine(tiny_model, max_num_seqs=4, max_grammar_chars=2000) as engine:
+        good = engine.generate("hello", max_tokens=20, temperature=0.0, ignore_eos=True)
+        cases = {
+            "regex": dict(regex="(unclosed"),
+            "json_schema": dict(json_schema={"type": "no-such-type"}),
+            "grammar": dict(grammar="start: undefined_rule"),
+            "choice": dict(choice=[]),
+        }
+        for field, kwargs in cases.items():
+            started = time.perf_counter()
+            with pytest.raises(InvalidRequest) as info:
+                await engine.generate("x", max_tokens=5, **kwargs)
+            assert info.value.field == field and time.perf_counter() - started < 5.0
+        with pytest.raises(InvalidRequest) as info:
+            await engine.generate("x", json_schema="{not json")
+        assert info.value.field == "json_schema"
+        with pytest.raises(InvalidRequest) as info:
+            await engine.generate("x", regex="a" * 3000)
+        assert info.value.field == "regex" and "max_grammar_chars" in str(info.value)
+        with pytest.raises(InvalidRequest) as info:
+            await engine.generate("x", regex="a+", choice=["a"])
+        assert info.value.field == "choice"
+        assert (await good).usage.completion_tokens == 20
+        assert engine.stats()["num_running"] == 0
+
+
+async def test_the_static_backend_refuses_constraints(tiny_model) -> None:
+    async with Engine(tiny_model, backend="hf") as engine:
+        with pytest.raises(InvalidRequest) as info:
+            await engine.generate("x", regex="a+", max_tokens=3)
+        assert info.value.field == "regex"
+        assert (await engine.generate("x", max_tokens=3, temperature=0.0, ignore_eos=True)).usage.completion_tokens == 3
+
+
+async def test_unconstrained_rows_of_a_mixed_step_are_unchanged(tiny_model) -> None:
+    async with Engine(tiny_model, max_num_seqs=8) as engine:
+        alone = await engine.generate("the river", max_tokens=24, temperature=0.0, ignore_eos=True)
+        results = {}
+
+        async def constrained(seed: int) -> None:
+            await engine.generate("x", json_schema=PERSON, temperature=1.0, seed=seed, max_tokens=400)
+
+        async def free() -> None:
+            results["free"] = await engine.generate("the river", max_tokens=24, temperature=0.0, ignore_eos=True)
+
+        async with anyio.create_task_group() as tg:
+            for seed in range(4):
+                tg.start_soon(constrained, seed)
+            tg.start_soon(free)
+        assert results["free"].token_ids == alone.token_ids
+
+
+async def test_constrained_output_survives_preemption(tiny_model) -> None:
+    """Too few KV blocks for all: requests are preempted and recomputed, their grammar state carried over."""
+    async with Engine(tiny_model, max_num_seqs=8, num_kv_blocks=28, block_size=16) as engine:
+        texts = await _many(engine, 8, json_schema=PERSON)
+        for text in texts:
+            jsonschema.validate(json.loads(text), PERSON)
+        assert engine.stats()["num_preemptions"] > 0
+
+
+async def test_real_model_answers_in_json(real_model) -> None:
+    """The real model writes an object for json_object and fills a schema with plausible values."""
+    async with Engine(real_model, max_num_seqs=4) as engine:
+        messages = [{"role": "user", "content": "Describe a cat as a JSON object."}]
+        done = await engine.chat(messages, json_object=True, temperature=0.0, max_tokens=200)
+        assert done.finish_reason == "stop" and isinstance(json.loads(done.text), dict), done.text
+        messages = [{"role": "user", "content": "Invent a user of a web shop, as JSON."}]
+        for seed in range(3):
+            done = await engine.chat(messages, json_schema=PERSON, temperature=1.0, seed=seed, max_tokens=300)
+            assert done.finish_reason == "stop", done.text
+            jsonschema.validate(json.loads(done.text), PERSON)
+
+
+# -- over HTTP, with the official openai client ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def client(tiny_model):
+    import openai
+
+    from tests.servers import Server
+
+    with Server(tiny_model, max_num_seqs=8) as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_http_response_format_json_schema(client) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in range(4):
+        done = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "who?"}],
+                                              response_format=fmt, temperature=1.0, seed=seed, max_tokens=400)
+        assert done.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(done.choices[0].message.content), PERSON)
+    done = client.completions.create(model="tiny-llama", prompt="x", max_tokens=50, temperature=1.0, seed=1,
+                                     extra_body={"response_format": {"type": "json_object"}, "min_tokens": 0})
+    assert done.choices[0].text.startswith("{")
+
+
+def test_http_structured_outputs_extra(client) -> None:
+    choices = ["positive", "negative", "neutral"]
+    for seed in range(4):
+        done = client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "sentiment?"}], temperature=1.0, seed=seed,
+            extra_body={"structured_outputs": {"choice": choices}})
+        assert done.choices[0].message.content in choices
+    done = client.completions.create(model="tiny-llama", prompt="date:", temperature=1.0, seed=2, max_tokens=30,
+                                     extra_body={"structured_outputs": {"regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"}})
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", done.choices[0].text)
+
+
+def test_http_refusals(client) -> None:
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4o", prompt="x", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2,
+                                  extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    assert info.value.body["param"] == "regex"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "xml"})
+    assert info.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, extra_body={"suffix": "y"})
+    assert info.value.body["param"] == "suffix"
+    assert client.completions.create(model="tiny-llama", prompt="x", max_tokens=2).choices[0].text is not None
