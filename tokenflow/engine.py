@@ -36,6 +36,7 @@ from tokenflow.runtime.loader import load_model
 from tokenflow.runtime.model_thread import ModelThread
 from tokenflow.runtime.sampler import make_generator
 from tokenflow.stages.response_tier import serving_key
+from tokenflow.stages.tokenizer import TokenizerStage
 from tokenflow.step_loop import StepLoop
 from tokenflow.structured.grammar import GrammarCompiler, constraint_field
 
@@ -65,6 +66,7 @@ class Engine:
         self._background: _Background | None = None
         self._chain: NextStage | None = None
         self._stages: list[Any] = []
+        self._own_tokenizer: TokenizerStage | None = None
         self._started: list[Any] = []  # stages whose start() ran, in order: stopped at close or after a failed start
         self.scheduler: Any = None
         self._model_thread: ModelThread | None = None
@@ -207,6 +209,35 @@ class Engine:
         self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None, **kwargs: Any
     ) -> AsyncIterator[Chunk]:
         return self._results(self._new_request(params, kwargs, messages=messages))
+
+    async def tokenize(self, prompt: str | Sequence[dict[str, Any]], *, add_special_tokens: bool = True) -> list[int]:
+        """The token ids a request would get for `prompt`: a text, or chat messages through the model's
+        chat template (with the generation prompt), exactly as `generate` / `chat` tokenize them."""
+        self._check_open()
+        assert self.limits is not None
+        messages = None if isinstance(prompt, str) else prompt
+        if messages is not None and not (isinstance(messages, Sequence) and all(isinstance(m, dict) for m in messages)
+                                         and messages):
+            raise InvalidRequest("messages must be a non-empty list of message dicts", field="messages")
+        self.limits.check_prompt(prompt, messages)
+        stage = next((s for s in [*self._stages, self._own_tokenizer] if isinstance(s, TokenizerStage)), None)
+        if stage is None:  # an engine configured without the tokenizer stage: one of its own for this
+            stage = self._own_tokenizer = TokenizerStage(self.config)
+            await stage.start(self.ctx)
+        if messages is not None:
+            return await stage.encode_chat(messages)
+        return await stage.encode(prompt, add_special_tokens=add_special_tokens)  # type: ignore[arg-type]
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`, special tokens spelled out (the inverse of `tokenize`)."""
+        self._check_open()
+        vocab = self.loaded.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+            raise InvalidRequest(f"tokens must be ids in [0, {vocab})", field="tokens")
+        if len(token_ids) > self.loaded.max_model_len:
+            raise InvalidRequest(f"at most {self.loaded.max_model_len} tokens (max_model_len)", field="tokens")
+        tokenizer = self.loaded.tokenizer
+        return await anyio.to_thread.run_sync(lambda: tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
     def add_observer(self, observer: Any) -> None:
         """Tell `observer` about every step (`on_step(duration_s, ok)`) and request end

@@ -5,7 +5,8 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or
 server-sent events with `stream: true`, usage in the last event when
-`stream_options.include_usage`), `GET /v1/models`, `GET /health` (200 once the
+`stream_options.include_usage`), `POST /tokenize`, `POST /detokenize` (vLLM's
+bodies), `GET /v1/models`, `GET /health` (200 once the
 model is loaded; never behind the key), `GET /metrics` (Prometheus).
 
 Everything a caller sends is untrusted (`HTTPSettings`): with an `api_key`
@@ -35,7 +36,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -51,9 +52,16 @@ from starlette.types import Receive, Scope, Send
 
 from tokenflow.engine import Engine
 from tokenflow.errors import DeadlineExceeded, EngineClosed, EngineError, InvalidRequest, Overloaded, TokenflowError
-from tokenflow.params import Chunk, Completion, Usage
+from tokenflow.params import Chunk, Completion, TokenLogprob, Usage
 from tokenflow.serve.metrics import EngineMetrics
-from tokenflow.serve.openai_protocol import PASSTHROUGH, decode_body, to_engine_kwargs
+from tokenflow.serve.openai_protocol import (
+    PASSTHROUGH,
+    DetokenizeRequest,
+    TokenizeRequest,
+    decode_as,
+    decode_body,
+    to_engine_kwargs,
+)
 
 __all__ = ("PASSTHROUGH", "HTTPSettings", "RequestPolicy", "completion_body", "create_app", "engine_lifespan",
            "error_body", "openai_routes", "parse_request", "response_id", "retry_after_s")
@@ -128,6 +136,8 @@ def openai_routes() -> list[Route]:
         Route("/v1/completions", _guarded(partial(_serve, chat=False)), methods=["POST"]),
         Route("/v1/chat/completions", _guarded(partial(_serve, chat=True)), methods=["POST"]),
         Route("/v1/models", _guarded(models), methods=["GET"]),
+        Route("/tokenize", _guarded(tokenize), methods=["POST"]),
+        Route("/detokenize", _guarded(detokenize), methods=["POST"]),
         Route("/health", _guarded(health, auth=False), methods=["GET"]),
         Route("/metrics", _guarded(metrics), methods=["GET"]),
     ]
@@ -267,6 +277,38 @@ async def models(request: Request, settings: HTTPSettings) -> Response:
         {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "tokenflow"}]})
 
 
+async def tokenize(request: Request, settings: HTTPSettings) -> Response:
+    """vLLM's body: `{"prompt"}` or `{"messages"}` -> `{"tokens", "count", "max_model_len"}`."""
+    engine: Engine = request.app.state.engine
+    body = decode_as(await _read_body(request, settings.max_request_bytes), TokenizeRequest)
+    if (unknown := _unknown_model(body.model, engine)) is not None:
+        return unknown
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequest("give exactly one of `prompt` and `messages`", field="prompt")
+    if body.messages is not None:
+        tokens = await engine.tokenize([m.to_dict() for m in body.messages])
+    else:
+        tokens = await engine.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.loaded.max_model_len})
+
+
+async def detokenize(request: Request, settings: HTTPSettings) -> Response:
+    """`{"tokens"}` -> `{"prompt"}`."""
+    engine: Engine = request.app.state.engine
+    body = decode_as(await _read_body(request, settings.max_request_bytes), DetokenizeRequest)
+    if (unknown := _unknown_model(body.model, engine)) is not None:
+        return unknown
+    return JSONResponse({"prompt": await engine.detokenize(body.tokens)})
+
+
+def _unknown_model(model: str | None, engine: Engine) -> Response | None:
+    """The 404 of a request for a model this server does not serve (as OpenAI and vLLM: no silent fallback)."""
+    if model is None or model == engine.model_name:
+        return None
+    return _json_error(404, f"The model `{model}` does not exist; this server serves `{engine.model_name}`.",
+                       "invalid_request_error", code="model_not_found", param="model")
+
+
 async def metrics(request: Request, settings: HTTPSettings) -> Response:
     return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -274,9 +316,8 @@ async def metrics(request: Request, settings: HTTPSettings) -> Response:
 async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Response:
     engine: Engine = request.app.state.engine
     body = decode_body(await _read_body(request, settings.max_request_bytes), chat)
-    if body.model is not None and body.model != engine.model_name:  # as OpenAI and vLLM: not a silent fallback
-        return _json_error(404, f"The model `{body.model}` does not exist; this server serves `{engine.model_name}`.",
-                           "invalid_request_error", code="model_not_found", param="model")
+    if (unknown := _unknown_model(body.model, engine)) is not None:
+        return unknown
     prompt, kwargs = to_engine_kwargs(body)
     kwargs = await _apply_policy(request, kwargs, settings)
     rid = response_id(chat)
@@ -294,7 +335,8 @@ async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Res
             await stream.aclose()  # type: ignore[attr-defined]
             return Response(status_code=499)  # nobody reads it; the request is aborted
         request.app.state.metrics.ttft.observe(time.perf_counter() - started)
-        return _EventStream(_events(request, stream, first, rid, chat, include_usage, started, settings))
+        return _EventStream(_events(request, stream, first, rid, chat, include_usage, started, settings,
+                                    logprobs=kwargs.get("logprobs") is not None))
     call = engine.chat(prompt, **kwargs) if chat else engine.generate(prompt, **kwargs)
     done = await _unless_disconnected(request, lambda: call)
     if done is _DISCONNECTED:
@@ -320,7 +362,8 @@ async def _apply_policy(request: Request, kwargs: dict[str, Any], settings: HTTP
 
 
 async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk | None, rid: str, chat: bool,
-                  include_usage: bool, started: float, settings: HTTPSettings) -> AsyncIterator[str]:
+                  include_usage: bool, started: float, settings: HTTPSettings, logprobs: bool = False
+                  ) -> AsyncIterator[str]:
     engine: Engine = request.app.state.engine
     app_metrics: EngineMetrics = request.app.state.metrics
     created = int(time.time())
@@ -331,6 +374,8 @@ async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk |
             yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name, "choices": [
                 {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
         chunk = first
+        text_offset = 0
+        tokenizer = engine.loaded.tokenizer
         while chunk is not None:
             usage = chunk.usage or usage
             if chat:
@@ -338,6 +383,10 @@ async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk |
                                           "finish_reason": chunk.finish_reason}
             else:
                 choice = {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason, "logprobs": None}
+            if logprobs and chunk.logprobs:
+                choice["logprobs"] = logprobs_body(chunk.logprobs, chat=chat, tokenizer=tokenizer,
+                                                   text_offset=text_offset)
+                text_offset += len(chunk.text)
             yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name,
                         "choices": [choice]})
             chunk = await anext(stream, None)
@@ -380,25 +429,7 @@ def completion_body(
     """The OpenAI response body of a finished request (logprobs need the tokenizer to spell tokens)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
     if logprobs and done.logprobs is not None:
-        def text(token_id: int) -> str:
-            return tokenizer.decode([token_id])
-
-        if chat:
-            choice["logprobs"] = {"content": [
-                {"token": text(lp.token_id), "logprob": _finite(lp.logprob), "bytes": None,
-                 "top_logprobs": [{"token": text(t), "logprob": _finite(v), "bytes": None} for t, v in lp.top.items()]}
-                for lp in done.logprobs]}
-        else:
-            offsets, at = [], 0
-            for lp in done.logprobs:
-                offsets.append(at)
-                at += len(text(lp.token_id))
-            choice["logprobs"] = {
-                "tokens": [text(lp.token_id) for lp in done.logprobs],
-                "token_logprobs": [_finite(lp.logprob) for lp in done.logprobs],
-                "top_logprobs": [{text(t): _finite(v) for t, v in lp.top.items()} for lp in done.logprobs],
-                "text_offset": offsets,
-            }
+        choice["logprobs"] = logprobs_body(done.logprobs, chat=chat, tokenizer=tokenizer)
     if chat:
         choice["message"] = {"role": "assistant", "content": done.text}
     else:
@@ -406,6 +437,32 @@ def completion_body(
     return {"id": rid or response_id(chat), "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": model, "choices": [choice], "usage": _usage(done.usage, report_cached_tokens)}
+
+
+def logprobs_body(logprobs: Sequence[TokenLogprob], *, chat: bool, tokenizer: Any, text_offset: int = 0
+                  ) -> dict[str, Any]:
+    """OpenAI's `logprobs` object of some tokens: chat's `content` list, or the completions arrays
+    (`text_offset` continues from `text_offset` characters, for a stream's later chunks)."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    if chat:
+        def entry(token_id: int, value: float) -> dict[str, Any]:
+            spelled = text(token_id)
+            return {"token": spelled, "logprob": _finite(value), "bytes": list(spelled.encode("utf-8"))}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top.items()]} for lp in logprobs]}
+    offsets, at = [], text_offset
+    for lp in logprobs:
+        offsets.append(at)
+        at += len(text(lp.token_id))
+    return {
+        "tokens": [text(lp.token_id) for lp in logprobs],
+        "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+        "top_logprobs": [{text(t): _finite(v) for t, v in lp.top.items()} for lp in logprobs],
+        "text_offset": offsets,
+    }
 
 
 def _finite(value: float) -> float:

@@ -10,13 +10,14 @@ Value ranges (temperature, penalties, ...) are checked by the engine itself.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from tokenflow.errors import InvalidRequest
 
-__all__ = ("ChatCompletionRequest", "CompletionRequest", "decode_body", "to_engine_kwargs")
+__all__ = ("ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest", "decode_as",
+           "decode_body", "to_engine_kwargs")
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -37,7 +38,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def to_dict(self) -> dict[str, Any]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
-        message: dict[str, Any] = {"role": self.role, "content": content}
+        # OpenAI's `developer` role is the system prompt of newer models; chat templates know `system`
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
@@ -125,6 +127,20 @@ class CompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True
     suffix: Any = None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """vLLM's `POST /tokenize`: a prompt, or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    model: str | None = None
+    tokens: list[int]
+
+
 _UNSUPPORTED = ("logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
                 "best_of", "echo", "suffix")
 # Body fields that become the Engine keyword of the same name when present.
@@ -136,7 +152,21 @@ PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penal
 def decode_body(raw: bytes | dict[str, Any], chat: bool) -> ChatCompletionRequest | CompletionRequest:
     """The typed body (from JSON bytes, or an already decoded dict); `InvalidRequest` naming the field
     for anything malformed."""
-    kind = ChatCompletionRequest if chat else CompletionRequest
+    body = decode_as(raw, ChatCompletionRequest if chat else CompletionRequest)
+    for name in _UNSUPPORTED:
+        value = getattr(body, name, None)
+        if value is not None and value is not False and not (name == "best_of" and value == 1):
+            raise InvalidRequest(f"`{name}` is not supported by this server yet", field=name)
+    if body.n != 1:
+        raise InvalidRequest("only n=1 is supported", field="n")
+    return body
+
+
+BodyT = TypeVar("BodyT")
+
+
+def decode_as(raw: bytes | dict[str, Any], kind: type[BodyT]) -> BodyT:
+    """`raw` decoded as the body type `kind`; `InvalidRequest` naming the field for anything malformed."""
     try:
         if isinstance(raw, dict):  # one path for both: the same checks and messages
             raw = msgspec.json.encode(raw)
@@ -149,12 +179,6 @@ def decode_body(raw: bytes | dict[str, Any], chat: bool) -> ChatCompletionReques
         raise InvalidRequest("the request body is nested too deeply") from None
     except (TypeError, msgspec.EncodeError) as exc:  # a dict holding something JSON has no form for
         raise InvalidRequest(f"the request body is not JSON: {exc}") from None
-    for name in _UNSUPPORTED:
-        value = getattr(body, name, None)
-        if value is not None and value is not False and not (name == "best_of" and value == 1):
-            raise InvalidRequest(f"`{name}` is not supported by this server yet", field=name)
-    if body.n != 1:
-        raise InvalidRequest("only n=1 is supported", field="n")
     return body
 
 

@@ -111,6 +111,10 @@ class TokenizerStage:
         _check_text(text)
         return await self._encode(text, None, add_special=add_special_tokens)
 
+    async def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """The prompt ids of `messages` through the chat template, exactly as a chat request gets them."""
+        return await self._encode(None, messages, add_special=False)
+
     async def _encode(
         self, text: str | None, messages: Sequence[dict[str, Any]] | None, *, add_special: bool
     ) -> list[int]:

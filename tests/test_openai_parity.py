@@ -1,0 +1,82 @@
+"""OpenAI/vLLM surface beyond plain completions, with the official `openai` client against a real server:
+logprobs in streamed chunks (the same numbers as the whole response), the tokenizer endpoints (the ids a
+request gets), the `developer` role."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.servers import Server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model) -> Iterator[Server]:
+    with Server(tiny_model, max_num_seqs=4) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_streamed_chat_logprobs_match_the_whole_response(client: openai.OpenAI) -> None:
+    kwargs = dict(model="tiny-llama", messages=[{"role": "user", "content": "tell me"}], max_tokens=12,
+                  temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [entry for event in client.chat.completions.create(stream=True, **kwargs)
+                if event.choices and event.choices[0].logprobs for entry in event.choices[0].logprobs.content]
+    assert len(whole) == len(streamed) == 12
+    for a, b in zip(whole, streamed, strict=True):
+        assert (a.token, a.bytes) == (b.token, b.bytes) and a.bytes == list(a.token.encode())
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs] and len(a.top_logprobs) == 3
+
+
+def test_streamed_completion_logprobs(client: openai.OpenAI) -> None:
+    kwargs = dict(model="tiny-llama", prompt="the river", max_tokens=10, temperature=0, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    events = [e.choices[0] for e in client.completions.create(stream=True, **kwargs) if e.choices]
+    tokens = [t for e in events if e.logprobs for t in e.logprobs.tokens]
+    values = [v for e in events if e.logprobs for v in e.logprobs.token_logprobs]
+    offsets = [o for e in events if e.logprobs for o in e.logprobs.text_offset]
+    assert tokens == whole.logprobs.tokens and values == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
+    assert offsets == sorted(offsets) and offsets[0] == 0
+
+
+def test_tokenize_and_detokenize(server: Server, tiny_model) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    url = server.url
+    done = httpx.post(url + "/tokenize", json={"prompt": "the quick brown fox"}, timeout=30).json()
+    assert done["tokens"] == tokenizer("the quick brown fox")["input_ids"] and done["count"] == len(done["tokens"])
+    assert done["max_model_len"] > 0
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = httpx.post(url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    back = httpx.post(url + "/detokenize", json={"tokens": done["tokens"]}, timeout=30).json()
+    assert back == {"prompt": tokenizer.decode(done["tokens"])}
+    bad = [({"tokens": [-1]}, "/detokenize", "tokens"), ({"tokens": "abc"}, "/detokenize", "tokens"),
+           ({}, "/tokenize", "prompt"), ({"prompt": "x", "messages": messages}, "/tokenize", "prompt")]
+    for body, route, field in bad:
+        refused = httpx.post(url + route, json=body, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, (body, refused.text)
+    unknown = httpx.post(url + "/tokenize", json={"model": "other", "prompt": "x"}, timeout=30)
+    assert unknown.status_code == 404
+
+
+def test_developer_role_is_the_system_prompt(client: openai.OpenAI, server: Server) -> None:
+    as_developer = httpx.post(server.url + "/tokenize", json={"messages": [
+        {"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]}, timeout=30).json()
+    as_system = httpx.post(server.url + "/tokenize", json={"messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}, timeout=30).json()
+    assert as_developer["tokens"] == as_system["tokens"]
+    done = client.chat.completions.create(model="tiny-llama", max_tokens=3, messages=[
+        {"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert done.usage.prompt_tokens == as_developer["count"]
