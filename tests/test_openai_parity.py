@@ -80,3 +80,29 @@ def test_developer_role_is_the_system_prompt(client: openai.OpenAI, server: Serv
     done = client.chat.completions.create(model="tiny-llama", max_tokens=3, messages=[
         {"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     assert done.usage.prompt_tokens == as_developer["count"]
+
+
+def test_logit_bias_over_http(client: openai.OpenAI, tiny_model) -> None:
+    """+100 on one token makes it the greedy choice at every step; out-of-range entries are 400s."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    forced = tokenizer(" music", add_special_tokens=False)["input_ids"][0]
+    pushed = client.completions.create(model="tiny-llama", prompt="the river", max_tokens=6, temperature=0,
+                                       logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert pushed.choices[0].text == tokenizer.decode([forced] * 6)
+    for bias, why in [({"10": 101}, "over 100"), ({str(10**6): 1}, "outside the vocabulary")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, logit_bias=bias)
+        assert info.value.body["param"] == "logit_bias", why
+
+
+async def test_logit_bias_bans_tokens(tiny_model) -> None:
+    """-100 on each token of the greedy answer: none of them comes back; the other rows are untouched."""
+    from tokenflow import Engine
+
+    async with Engine(tiny_model) as engine:
+        base = await engine.generate("the river", max_tokens=8, temperature=0.0, ignore_eos=True)
+        banned = await engine.generate("the river", max_tokens=8, temperature=0.0, ignore_eos=True,
+                                       logit_bias={t: -100.0 for t in base.token_ids})
+        assert not set(banned.token_ids) & set(base.token_ids)
+        again = await engine.generate("the river", max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert again.token_ids == base.token_ids

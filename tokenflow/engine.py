@@ -273,6 +273,9 @@ class Engine:
         sampling = SamplingParams.from_kwargs(params, **kwargs)
         assert self.limits is not None
         self.limits.check_params(sampling)
+        if sampling.logit_bias and max(sampling.logit_bias) >= self.loaded.vocab_size:
+            raise InvalidRequest(f"logit_bias names token {max(sampling.logit_bias)}, outside the vocabulary "
+                                 f"[0, {self.loaded.vocab_size})", field="logit_bias")
         self.limits.check_prompt(prompt, messages)
         request = Request(sampling, messages=messages, arrival_time=anyio.current_time())
         if messages is None:

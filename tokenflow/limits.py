@@ -42,6 +42,7 @@ class RequestLimits:
     max_stop_token_ids: int
     max_logprobs: int
     max_grammar_chars: int
+    max_logit_bias: int
     default_max_tokens: int
     clamp_max_tokens: bool
 
@@ -52,6 +53,7 @@ class RequestLimits:
             max_model_len=max_model_len, max_prompt_chars=prompt_chars, max_stop_strings=config.max_stop_strings,
             max_stop_string_chars=config.max_stop_string_chars, max_stop_token_ids=config.max_stop_token_ids,
             max_logprobs=config.max_logprobs, max_grammar_chars=config.max_grammar_chars,
+            max_logit_bias=config.max_logit_bias,
             default_max_tokens=config.default_max_tokens,
             clamp_max_tokens=config.clamp_max_tokens,
         )
@@ -72,6 +74,9 @@ class RequestLimits:
                                  field="logprobs")
         if params.structured:
             self._check_constraint_size(params)
+        if params.logit_bias and len(params.logit_bias) > self.max_logit_bias:
+            raise InvalidRequest(f"logit_bias may name at most {self.max_logit_bias} tokens, "
+                                 f"got {len(params.logit_bias)}", field="logit_bias")
         if params.max_tokens is not None and params.max_tokens >= self.max_model_len and not self.clamp_max_tokens:
             raise InvalidRequest(self._too_many_tokens(self.max_model_len - 1, params.max_tokens), field="max_tokens")
 

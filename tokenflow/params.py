@@ -22,6 +22,8 @@ FinishReason = Literal["stop", "length", "abort"]
 _INT32 = 2**31 - 1
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=_INT32)]
+Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]  # OpenAI's range
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -56,6 +58,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     deadline: float | None = None
     cache_salt: str | None = None
     cache_response: bool | None = None  # None: the engine's `response_cache` setting decides
+    logit_bias: dict[TokenId, Bias] | None = None  # token id -> added to its logit before sampling
     # -- structured outputs: at most one; the output is constrained to match it --
     json_schema: dict[str, Any] | str | None = None  # a JSON schema (or its JSON text)
     json_object: bool = False  # any JSON object
@@ -69,6 +72,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise InvalidRequest(f"`{name}` must be a finite number, got {value!r}", field=name)
+        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
+            raise InvalidRequest("`logit_bias` values must be finite numbers", field="logit_bias")
         for stop in self.stop:
             if not stop:
                 raise InvalidRequest("`stop` strings must be non-empty", field="stop")

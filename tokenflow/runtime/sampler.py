@@ -192,15 +192,20 @@ class Sampler:
 
     def _adjusts(self, r: SamplingRow) -> bool:
         p = r.params
-        return len(r.output_token_ids) < p.min_tokens or has_penalty(p)
+        return len(r.output_token_ids) < p.min_tokens or has_penalty(p) or bool(p.logit_bias)
 
     def _adjust(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-        """min_tokens mask, then repetition, frequency and presence penalties, in place on `x` (row j of
-        `x` is `rows[j]`), touching only the positions of tokens that occurred. No `unique`: repeated
+        """logit_bias, the min_tokens mask, then repetition, frequency and presence penalties, in place on `x`
+        (row j of `x` is `rows[j]`), touching only the positions of tokens that occurred. No `unique`: repeated
         positions are written the same value, and counts are accumulated in `x` itself (a parallel sort
         of the keys stalls when another process holds the other cores)."""
         vocab, dev = x.shape[1], x.device
         flat = x.view(-1)
+        biased = [(j * vocab + t, b) for j, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()
+                  if t < vocab]
+        if biased:  # OpenAI's logit_bias: added to the raw logit, before min_tokens and penalties
+            keys, values = zip(*biased, strict=True)
+            flat.index_add_(0, torch.tensor(keys, device=dev), torch.tensor(values, dtype=x.dtype, device=dev))
         masked = [
             j * vocab + t
             for j, r in enumerate(rows)

@@ -34,6 +34,7 @@ def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
         and not has_penalty(params)
         and num_output_tokens >= params.min_tokens
         and not params.structured  # a draft's verification would need a mask per draft position
+        and not params.logit_bias
     )
 
 

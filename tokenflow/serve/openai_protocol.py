@@ -104,7 +104,7 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     # OpenAI fields not implemented yet: refused by name when present (never silently dropped).
     response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    logit_bias: Any = None
+    logit_bias: dict[int, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -141,12 +141,12 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     tokens: list[int]
 
 
-_UNSUPPORTED = ("logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+_UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
                 "best_of", "echo", "suffix")
 # Body fields that become the Engine keyword of the same name when present.
 PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                "repetition_penalty", "ignore_eos", "priority", "cache_salt", "min_tokens", "stop_token_ids",
-               "include_stop_str_in_output", "skip_special_tokens")
+               "include_stop_str_in_output", "skip_special_tokens", "logit_bias")
 
 
 def decode_body(raw: bytes | dict[str, Any], chat: bool) -> ChatCompletionRequest | CompletionRequest:
@@ -239,7 +239,7 @@ def _completion_prompt(prompt: str | list[Any]) -> str | list[int]:
 
 def _field_of(text: str) -> str | None:
     """`... - at `$.messages[0].role`` -> "messages"; `unknown field `x`` -> "x"."""
-    for marker in ("at `$.", "unknown field `", "required field `"):
+    for marker in ("at `$.", "in `$.", "unknown field `", "required field `"):
         if marker in text:
             return text.split(marker, 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0] or None
     return None
