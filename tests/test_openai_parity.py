@@ -106,3 +106,49 @@ async def test_logit_bias_bans_tokens(tiny_model) -> None:
         assert not set(banned.token_ids) & set(base.token_ids)
         again = await engine.generate("the river", max_tokens=8, temperature=0.0, ignore_eos=True)
         assert again.token_ids == base.token_ids
+
+
+def test_n_choices_share_one_prefill(client: openai.OpenAI, server: Server) -> None:
+    prompt = "the river and the mountain and the library " * 8
+    done = client.completions.create(model="tiny-llama", prompt=prompt, n=3, max_tokens=8, temperature=1.0,
+                                     seed=7, extra_body={"ignore_eos": True})
+    assert [c.index for c in done.choices] == [0, 1, 2] and len({c.text for c in done.choices}) == 3
+    single = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=1.0, seed=7,
+                                       extra_body={"ignore_eos": True})
+    assert done.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once
+    assert done.usage.completion_tokens == 24
+    assert single.choices[0].text == done.choices[0].text  # sample 0 has the request's own seed
+    chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=4, temperature=1.0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny-llama", prompt="x", n=2, stream=True, max_tokens=2)
+    assert info.value.body["param"] == "n"
+
+
+async def test_generate_many_prefills_the_prompt_once(tiny_model) -> None:
+    from tokenflow import Engine
+
+    async with Engine(tiny_model, block_size=16) as engine:
+        prompt = list(range(10, 171))  # 161 tokens: ten full blocks and one token
+        outs = await engine.generate_many(prompt, 4, max_tokens=5, temperature=1.0, seed=1, ignore_eos=True)
+        assert len(outs) == 4 and len({tuple(o.token_ids) for o in outs}) == 4
+        # the first computes all 161; each other one its last token only (the ten blocks come from the cache)
+        assert engine.stats()["prompt_tokens_computed"] == 161 + 3 * 1
+        assert [o.usage.cached_tokens for o in outs] == [0, 160, 160, 160]
+        for i, out in enumerate(outs):  # sample i is the request seeded with seed + i
+            alone = await engine.generate(prompt, max_tokens=5, temperature=1.0, seed=1 + i, ignore_eos=True)
+            assert alone.token_ids == out.token_ids
+
+
+def test_a_batch_of_prompts(client: openai.OpenAI) -> None:
+    prompts = ["the river", "music and winter", "a lantern"]
+    done = client.completions.create(model="tiny-llama", prompt=prompts, max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    for i, prompt in enumerate(prompts):
+        alone = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert done.choices[i].index == i and done.choices[i].text == alone.choices[0].text
+    ids = client.completions.create(model="tiny-llama", prompt=[[5, 6, 7], [8, 9]], max_tokens=2, n=2,
+                                    temperature=1.0)
+    assert [c.index for c in ids.choices] == [0, 1, 2, 3]

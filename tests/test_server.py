@@ -83,7 +83,7 @@ def test_bad_parameters_are_400(client: openai.OpenAI) -> None:
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=5, temperature=-1)
     assert info.value.status_code == 400 and info.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny-llama", prompt="x", max_tokens=5, n=2)
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=5, n=17)  # past MAX_N
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny-llama", messages=[], max_tokens=5)
 

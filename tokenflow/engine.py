@@ -318,8 +318,60 @@ class Engine:
             request.generator = make_generator(request.params.seed, self.loaded.device)
         self._loop.add(request)
 
+    async def generate_many(self, prompt: Prompt, n: int, params: SamplingParams | None = None,
+                            **kwargs: Any) -> list[Completion]:
+        """`n` samples of one prompt (OpenAI's `n`). The first is prefilled alone; the others start once it
+        has its first token, from its prompt blocks in the prefix cache, so the prompt is computed about
+        once. Seeded, sample `i` uses `seed + i`: each has a stream of its own."""
+        return await self._many(n, params, kwargs, prompt=prompt)
+
+    async def chat_many(self, messages: Sequence[dict[str, Any]], n: int, params: SamplingParams | None = None,
+                        **kwargs: Any) -> list[Completion]:
+        """`n` replies to `messages`; see `generate_many`."""
+        return await self._many(n, params, kwargs, messages=messages)
+
+    async def _many(self, n: int, params: SamplingParams | None, kwargs: dict[str, Any], *, prompt: Any = None,
+                    messages: Any = None) -> list[Completion]:
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.config.max_n:
+            raise InvalidRequest(f"n must be an integer in [1, {self.config.max_n}] (max_n), got {n!r}", field="n")
+        base = SamplingParams.from_kwargs(params, **kwargs)
+        requests = [self._new_request(base, {} if base.seed is None else {"seed": (base.seed + i) % 2**64},
+                                      prompt=prompt, messages=messages) for i in range(n)]
+        results: list[Completion | BaseException | None] = [None] * n
+        prefilled = anyio.Event()
+
+        async def first() -> None:
+            chunks: list[Chunk] = []
+            try:
+                async for chunk in self._results(requests[0]):
+                    prefilled.set()
+                    chunks.append(chunk)
+                results[0] = self._completion(requests[0], chunks)
+            except Exception as exc:  # kept, and raised as itself below (not inside an ExceptionGroup)
+                results[0] = exc
+            finally:
+                prefilled.set()
+
+        async def other(i: int) -> None:
+            await prefilled.wait()
+            try:
+                results[i] = await self._collect(requests[i])
+            except Exception as exc:
+                results[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            for i in range(1, n):
+                tg.start_soon(other, i)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return [r for r in results if isinstance(r, Completion)]
+
     async def _collect(self, request: Request) -> Completion:
-        chunks = [chunk async for chunk in self._results(request)]
+        return self._completion(request, [chunk async for chunk in self._results(request)])
+
+    def _completion(self, request: Request, chunks: list[Chunk]) -> Completion:
         last = chunks[-1]
         logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
         return Completion(

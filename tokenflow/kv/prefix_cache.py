@@ -253,6 +253,7 @@ class PrefixCache(BlockPool):
             "prefix_caching": self.prefix_caching,
             "prefix_cache_hit_tokens": self.hit_tokens,
             "prefix_cache_queried_tokens": self.queried_tokens,
+            "prompt_tokens_computed": self.queried_tokens - self.hit_tokens,  # the rest came from the cache
             "prefix_cache_hit_rate": round(self.hit_tokens / self.queried_tokens, 4) if self.queried_tokens else 0.0,
             "pool_evictions": self.num_evictions,
             "pool_restored_blocks": self.num_restored,

@@ -42,6 +42,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import msgspec
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -60,6 +61,7 @@ from tokenflow.serve.openai_protocol import (
     TokenizeRequest,
     decode_as,
     decode_body,
+    prompts_of,
     to_engine_kwargs,
 )
 
@@ -318,6 +320,9 @@ async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Res
     body = decode_body(await _read_body(request, settings.max_request_bytes), chat)
     if (unknown := _unknown_model(body.model, engine)) is not None:
         return unknown
+    prompts = prompts_of(body)
+    if len(prompts) > 1 or body.n > 1:
+        return await _serve_many(request, settings, body, prompts, chat=chat)
     prompt, kwargs = to_engine_kwargs(body)
     kwargs = await _apply_policy(request, kwargs, settings)
     rid = response_id(chat)
@@ -359,6 +364,43 @@ async def _apply_policy(request: Request, kwargs: dict[str, Any], settings: HTTP
             overrides = await overrides
         kwargs.update(overrides or {})
     return kwargs
+
+
+async def _serve_many(request: Request, settings: HTTPSettings, body: Any, prompts: list[Any], *,
+                      chat: bool) -> Response:
+    """Several choices: `n` samples of each prompt (the prompt prefilled once, see `Engine.generate_many`),
+    choice `p * n + i` being sample `i` of prompt `p`."""
+    engine: Engine = request.app.state.engine
+    one_prompt = {"n": 1} if chat else {"n": 1, "prompt": "x"}  # the shared keywords, as for one request
+    _, kwargs = to_engine_kwargs(msgspec.structs.replace(body, **one_prompt))
+    kwargs = await _apply_policy(request, kwargs, settings)
+    n = body.n
+    results: list[list[Completion] | Exception] = [[] for _ in prompts]
+    started = time.perf_counter()
+
+    async def one(index: int, prompt: Any) -> None:
+        many = engine.chat_many if chat else engine.generate_many
+        try:
+            results[index] = await many(prompt, n, **kwargs)
+        except Exception as exc:  # the first prompt's error (by prompt order) is the answer
+            results[index] = exc
+
+    async def every() -> bool:
+        async with anyio.create_task_group() as tg:
+            for index, prompt in enumerate(prompts):
+                tg.start_soon(one, index, prompt)
+        return True
+
+    if await _unless_disconnected(request, every) is _DISCONNECTED:
+        return Response(status_code=499)
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    request.app.state.metrics.latency.observe(time.perf_counter() - started)
+    return JSONResponse(completion_body(
+        [c for group in results if isinstance(group, list) for c in group], chat=chat, model=engine.model_name, n=n,
+        logprobs=kwargs.get("logprobs") is not None, tokenizer=engine.loaded.tokenizer,
+        report_cached_tokens=settings.report_cached_tokens))
 
 
 async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk | None, rid: str, chat: bool,
@@ -423,20 +465,28 @@ def response_id(chat: bool) -> str:
 
 
 def completion_body(
-    done: Completion, *, chat: bool, model: str, rid: str | None = None, logprobs: bool = False,
-    tokenizer: Any = None, report_cached_tokens: bool = False,
+    done: Completion | Sequence[Completion], *, chat: bool, model: str, rid: str | None = None,
+    logprobs: bool = False, tokenizer: Any = None, report_cached_tokens: bool = False, n: int = 1,
 ) -> dict[str, Any]:
-    """The OpenAI response body of a finished request (logprobs need the tokenizer to spell tokens)."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
-    if logprobs and done.logprobs is not None:
-        choice["logprobs"] = logprobs_body(done.logprobs, chat=chat, tokenizer=tokenizer)
-    if chat:
-        choice["message"] = {"role": "assistant", "content": done.text}
-    else:
-        choice["text"] = done.text
+    """The OpenAI response body of finished requests, one choice each in order (`n` choices per prompt:
+    usage counts each prompt once); logprobs need the tokenizer to spell tokens."""
+    dones = [done] if isinstance(done, Completion) else list(done)
+    choices = []
+    for index, one in enumerate(dones):
+        choice: dict[str, Any] = {"index": index, "finish_reason": one.finish_reason, "logprobs": None}
+        if logprobs and one.logprobs is not None:
+            choice["logprobs"] = logprobs_body(one.logprobs, chat=chat, tokenizer=tokenizer)
+        if chat:
+            choice["message"] = {"role": "assistant", "content": one.text}
+        else:
+            choice["text"] = one.text
+        choices.append(choice)
+    usage = Usage(prompt_tokens=sum(d.usage.prompt_tokens for d in dones[::n]),
+                  completion_tokens=sum(d.usage.completion_tokens for d in dones),
+                  cached_tokens=sum(d.usage.cached_tokens for d in dones))
     return {"id": rid or response_id(chat), "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": _usage(done.usage, report_cached_tokens)}
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": _usage(usage, report_cached_tokens)}
 
 
 def logprobs_body(logprobs: Sequence[TokenLogprob], *, chat: bool, tokenizer: Any, text_offset: int = 0

@@ -17,7 +17,7 @@ import msgspec
 from tokenflow.errors import InvalidRequest
 
 __all__ = ("ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest", "decode_as",
-           "decode_body", "to_engine_kwargs")
+           "decode_body", "prompts_of", "to_engine_kwargs")
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -157,12 +157,17 @@ def decode_body(raw: bytes | dict[str, Any], chat: bool) -> ChatCompletionReques
         value = getattr(body, name, None)
         if value is not None and value is not False and not (name == "best_of" and value == 1):
             raise InvalidRequest(f"`{name}` is not supported by this server yet", field=name)
-    if body.n != 1:
-        raise InvalidRequest("only n=1 is supported", field="n")
+    if not 1 <= body.n <= MAX_N:
+        raise InvalidRequest(f"n must be in [1, {MAX_N}]", field="n")
+    if body.stream and (body.n > 1 or len(prompts_of(body)) > 1):
+        raise InvalidRequest("streaming several choices (n > 1, or a batch of prompts) is not supported yet",
+                             field="n" if body.n > 1 else "prompt")
     return body
 
 
 BodyT = TypeVar("BodyT")
+MAX_N = 16  # choices per prompt (the engine's own max_n bounds it too)
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 
 
 def decode_as(raw: bytes | dict[str, Any], kind: type[BodyT]) -> BodyT:
@@ -182,8 +187,26 @@ def decode_as(raw: bytes | dict[str, Any], kind: type[BodyT]) -> BodyT:
     return body
 
 
+def prompts_of(body: ChatCompletionRequest | CompletionRequest) -> list[Any]:
+    """The body's prompts in choice order: its messages, one prompt, or each prompt of a completions batch
+    (a list of strings or of token-id lists)."""
+    if isinstance(body, ChatCompletionRequest):
+        return [[m.to_dict() for m in body.messages]]
+    prompt = body.prompt
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    if not all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequest("`prompt` must be a string, a list of token ids, or a list of either", field="prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", field="prompt")
+    return list(prompt)
+
+
 def to_engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> tuple[Any, dict[str, Any]]:
-    """`(prompt or messages, Engine keyword arguments)` of a decoded body."""
+    """`(prompt or messages, Engine keyword arguments)` of a decoded body with one prompt (see `prompts_of`
+    for batches; several choices, `n` > 1, are the caller's to fan out)."""
+    if body.n != 1:
+        raise InvalidRequest("n > 1 is not supported by this route", field="n")
     kwargs: dict[str, Any] = {k: getattr(body, k) for k in PASSTHROUGH if getattr(body, k) is not None}
     if isinstance(body, ChatCompletionRequest):
         if not body.messages:
@@ -193,7 +216,10 @@ def to_engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> tuple[A
         if body.logprobs:
             kwargs["logprobs"] = body.top_logprobs or 0
     else:
-        prompt = _completion_prompt(body.prompt)
+        prompts = prompts_of(body)
+        if len(prompts) != 1:
+            raise InvalidRequest("a batch of prompts is not supported here", field="prompt")
+        prompt = prompts[0]
         max_tokens = body.max_tokens
         if body.logprobs is not None:
             kwargs["logprobs"] = body.logprobs
@@ -223,18 +249,6 @@ def _constraint(body: ChatCompletionRequest | CompletionRequest) -> dict[str, An
                                  field="structured_outputs")
         found = given
     return found
-
-
-def _completion_prompt(prompt: str | list[Any]) -> str | list[int]:
-    """A string, a list of token ids, or a batch of one of either."""
-    if isinstance(prompt, str):
-        return prompt
-    if all(isinstance(t, int) for t in prompt):
-        return prompt  # type: ignore[return-value]
-    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return prompt[0]
-    raise InvalidRequest("`prompt` must be a string or a list of token ids (batches of more than one are not "
-                         "supported)", field="prompt")
 
 
 def _field_of(text: str) -> str | None:
