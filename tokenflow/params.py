@@ -134,7 +134,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
 def _field_of(exc: msgspec.ValidationError) -> str | None:
     """Pull the field name out of msgspec's message (`... - at `$.top_p``, `unknown field `x``)."""
     text = str(exc)
-    for marker in ("at `$.", "unknown field `", "`"):
+    for marker in ("at `$.", "in `$.", "unknown field `", "`"):
         if marker in text:
             rest = text.split(marker, 1)[1]
             return rest.split("`", 1)[0].split("[", 1)[0].split(".", 1)[0] or None
