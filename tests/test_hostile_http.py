@@ -71,7 +71,7 @@ def test_hostile_battery_http(served: ServeProcess, tmp_path: Path) -> None:
     reference = _post(served, "/v1/completions", GOOD).json()["choices"][0]["text"]
     nested = b"[" * 100_000 + b"]" * 100_000
     nested_typed = b'{"prompt": "x", "stop": ' + nested + b"}"  # refused by its type at the first level
-    nested_any = b'{"prompt": "x", "tools": ' + nested + b"}"  # an untyped field: the decoder's depth limit
+    nested_any = b'{"prompt": "x", "functions": ' + nested + b"}"  # an untyped field: the decoder's depth limit
     deep_schema: dict[str, Any] = {"type": "string"}
     for _ in range(300):
         deep_schema = {"type": "object", "properties": {"a": deep_schema}, "required": ["a"]}
@@ -95,7 +95,7 @@ def test_hostile_battery_http(served: ServeProcess, tmp_path: Path) -> None:
          "400 invalid_request_error()"),
         ("JSON nested 100,000 deep in `stop`", lambda: _post(served, "/v1/completions", raw=nested_typed),
          "400 invalid_request_error(stop)"),
-        ("JSON nested 100,000 deep in `tools`", lambda: _post(served, "/v1/completions", raw=nested_any),
+        ("JSON nested 100,000 deep in `functions`", lambda: _post(served, "/v1/completions", raw=nested_any),
          "400 invalid_request_error()"),
         ("a 5,000-digit integer", lambda: _post(served, "/v1/completions", raw=b'{"prompt": "x", "max_tokens": 1'
                                                 + b"0" * 5000 + b"}"), "400 invalid_request_error(max_tokens)"),

@@ -11,6 +11,7 @@ freed at the next step boundary.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -27,7 +28,7 @@ from tokenflow.hub import resolve_model
 from tokenflow.kv.block_hash import model_key
 from tokenflow.limits import RequestLimits
 from tokenflow.output.processor import OutputProcessor, usage_of
-from tokenflow.params import Chunk, Completion, SamplingParams
+from tokenflow.params import Chunk, Completion, SamplingParams, ToolCall
 from tokenflow.progress import steps
 from tokenflow.protocols import EngineContext, NextStage
 from tokenflow.request import Request
@@ -39,6 +40,7 @@ from tokenflow.stages.response_tier import serving_key
 from tokenflow.stages.tokenizer import TokenizerStage
 from tokenflow.step_loop import StepLoop
 from tokenflow.structured.grammar import GrammarCompiler, constraint_field
+from tokenflow.structured.tools import check_tools, parse_tool_calls, tool_schema
 
 __all__ = ("Engine",)
 
@@ -195,10 +197,14 @@ class Engine:
         return await self._collect(request)
 
     async def chat(
-        self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None, **kwargs: Any
+        self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None, *,
+        tools: Sequence[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> Completion:
-        """Generate the assistant's reply to `messages` through the model's chat template."""
-        request = self._new_request(params, kwargs, messages=messages)
+        """Generate the assistant's reply to `messages` through the model's chat template. With `tools`
+        (OpenAI's function tools) the template shows them and `Completion.tool_calls` holds the calls;
+        `tool_choice` as OpenAI's (see `tokenflow.structured.tools`)."""
+        request = self._new_request(params, kwargs, messages=messages, tools=tools, tool_choice=tool_choice)
         return await self._collect(request)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> AsyncIterator[Chunk]:
@@ -206,11 +212,17 @@ class Engine:
         return self._results(self._new_request(params, kwargs, prompt=prompt))
 
     def stream_chat(
-        self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None, **kwargs: Any
+        self, messages: Sequence[dict[str, Any]], params: SamplingParams | None = None, *,
+        tools: Sequence[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> AsyncIterator[Chunk]:
-        return self._results(self._new_request(params, kwargs, messages=messages))
+        """Stream the reply; with tools the chunks carry the text as written (calls are read at the end
+        by `chat`)."""
+        return self._results(self._new_request(params, kwargs, messages=messages, tools=tools,
+                                               tool_choice=tool_choice))
 
-    async def tokenize(self, prompt: str | Sequence[dict[str, Any]], *, add_special_tokens: bool = True) -> list[int]:
+    async def tokenize(self, prompt: str | Sequence[dict[str, Any]], *, add_special_tokens: bool = True,
+                       tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """The token ids a request would get for `prompt`: a text, or chat messages through the model's
         chat template (with the generation prompt), exactly as `generate` / `chat` tokenize them."""
         self._check_open()
@@ -225,7 +237,8 @@ class Engine:
             stage = self._own_tokenizer = TokenizerStage(self.config)
             await stage.start(self.ctx)
         if messages is not None:
-            return await stage.encode_chat(messages)
+            checked = check_tools(tools, None)[0] if tools is not None else None
+            return await stage.encode_chat(messages, checked)
         return await stage.encode(prompt, add_special_tokens=add_special_tokens)  # type: ignore[arg-type]
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -268,8 +281,11 @@ class Engine:
             raise EngineClosed(f"the engine is {'dead' if self._loop and self._loop.dead else self._state}")
 
     def _new_request(self, params: SamplingParams | None, kwargs: dict[str, Any], *, prompt: Any = None,
-                     messages: Any = None) -> Request:
+                     messages: Any = None, tools: Any = None, tool_choice: Any = None) -> Request:
         self._check_open()
+        choice: str | dict[str, Any] | None = None
+        if tools is not None or tool_choice is not None:
+            tools, choice, kwargs = self._with_tools(params, kwargs, tools, tool_choice, messages)
         sampling = SamplingParams.from_kwargs(params, **kwargs)
         assert self.limits is not None
         self.limits.check_params(sampling)
@@ -278,6 +294,9 @@ class Engine:
                                  f"[0, {self.loaded.vocab_size})", field="logit_bias")
         self.limits.check_prompt(prompt, messages)
         request = Request(sampling, messages=messages, arrival_time=anyio.current_time())
+        if choice is not None:
+            request.tool_choice = choice
+            request.tools = None if choice == "none" else tools
         if messages is None:
             if isinstance(prompt, str):
                 request.prompt = prompt
@@ -293,6 +312,30 @@ class Engine:
         ends = [t for t in (sampling.deadline, request.arrival_time + timeout if timeout else None) if t]
         request.deadline = min(ends) if ends else None
         return request
+
+    def _with_tools(self, params: SamplingParams | None, kwargs: dict[str, Any], tools: Any, tool_choice: Any,
+                    messages: Any) -> tuple[list[dict[str, Any]], str | dict[str, Any], dict[str, Any]]:
+        """Checked tools, the tool choice, and the keywords with its constraint (a named or required call)."""
+        if messages is None:
+            raise InvalidRequest("tools are for chat requests", field="tools")
+        if tools is None:
+            raise InvalidRequest("tool_choice needs tools", field="tool_choice")
+        checked, choice = check_tools(tools, tool_choice)
+        assert self.limits is not None
+        try:
+            size = len(json.dumps(checked))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidRequest(f"`tools` is not JSON: {exc}", field="tools") from None
+        if size > self.limits.max_prompt_chars:
+            raise InvalidRequest(f"`tools` has {size} characters; this engine takes at most "
+                                 f"{self.limits.max_prompt_chars} (max_prompt_chars)", field="tools")
+        schema = tool_schema(checked, choice)
+        if schema is not None:
+            given = SamplingParams.from_kwargs(params, **kwargs)
+            if given.structured:
+                raise InvalidRequest("a named or required tool call is its own output constraint", field="tool_choice")
+            kwargs = {**kwargs, "json_schema": schema}
+        return checked, choice, kwargs
 
     async def _enqueue(self, request: Request) -> None:
         """The last link of the request path: hand the request to the step loop.
@@ -325,18 +368,20 @@ class Engine:
         once. Seeded, sample `i` uses `seed + i`: each has a stream of its own."""
         return await self._many(n, params, kwargs, prompt=prompt)
 
-    async def chat_many(self, messages: Sequence[dict[str, Any]], n: int, params: SamplingParams | None = None,
-                        **kwargs: Any) -> list[Completion]:
-        """`n` replies to `messages`; see `generate_many`."""
-        return await self._many(n, params, kwargs, messages=messages)
+    async def chat_many(self, messages: Sequence[dict[str, Any]], n: int, params: SamplingParams | None = None, *,
+                        tools: Sequence[dict[str, Any]] | None = None,
+                        tool_choice: str | dict[str, Any] | None = None, **kwargs: Any) -> list[Completion]:
+        """`n` replies to `messages`; see `generate_many` and `chat`."""
+        return await self._many(n, params, kwargs, messages=messages, tools=tools, tool_choice=tool_choice)
 
     async def _many(self, n: int, params: SamplingParams | None, kwargs: dict[str, Any], *, prompt: Any = None,
-                    messages: Any = None) -> list[Completion]:
+                    messages: Any = None, tools: Any = None, tool_choice: Any = None) -> list[Completion]:
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.config.max_n:
             raise InvalidRequest(f"n must be an integer in [1, {self.config.max_n}] (max_n), got {n!r}", field="n")
         base = SamplingParams.from_kwargs(params, **kwargs)
         requests = [self._new_request(base, {} if base.seed is None else {"seed": (base.seed + i) % 2**64},
-                                      prompt=prompt, messages=messages) for i in range(n)]
+                                      prompt=prompt, messages=messages, tools=tools, tool_choice=tool_choice)
+                    for i in range(n)]
         results: list[Completion | BaseException | None] = [None] * n
         prefilled = anyio.Event()
 
@@ -374,16 +419,24 @@ class Engine:
     def _completion(self, request: Request, chunks: list[Chunk]) -> Completion:
         last = chunks[-1]
         logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+        text = "".join(c.text for c in chunks)
         return Completion(
             request_id=request.request_id,
-            text="".join(c.text for c in chunks),
+            text=text,
             token_ids=[t for c in chunks for t in c.token_ids],
             finish_reason=last.finish_reason or "abort",
             usage=last.usage or usage_of(request),
             stop_reason=last.stop_reason,
             logprobs=logprobs if request.params.logprobs is not None else None,
             prompt_token_ids=request.prompt_token_ids,
+            tool_calls=self._tool_calls(request, text),
         )
+
+    @staticmethod
+    def _tool_calls(request: Request, text: str) -> list[ToolCall] | None:
+        if request.tool_choice is None or request.tools is None:
+            return None
+        return parse_tool_calls(text, request.tools, request.tool_choice)[1] or None
 
     async def _results(self, request: Request) -> AsyncIterator[Chunk]:
         assert self._chain is not None and self._loop is not None

@@ -13,7 +13,8 @@ import msgspec
 
 from tokenflow.errors import InvalidRequest
 
-__all__ = ("STRUCTURED_FIELDS", "Chunk", "Completion", "FinishReason", "SamplingParams", "TokenLogprob", "Usage")
+__all__ = ("STRUCTURED_FIELDS", "Chunk", "Completion", "FinishReason", "SamplingParams", "TokenLogprob", "ToolCall",
+           "Usage")
 
 STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -159,6 +160,14 @@ class TokenLogprob(msgspec.Struct, frozen=True):
     top: dict[int, float] = {}
 
 
+class ToolCall(msgspec.Struct, frozen=True):
+    """A call of one of the request's tools: `arguments` is the JSON text the model wrote."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class Chunk(msgspec.Struct):
     """One streamed delta. The last chunk carries `finish_reason` and `usage`."""
 
@@ -181,3 +190,4 @@ class Completion(msgspec.Struct):
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_token_ids: list[int] | None = None
+    tool_calls: list[ToolCall] | None = None  # chat with tools: the calls read from the text

@@ -64,6 +64,7 @@ from tokenflow.serve.openai_protocol import (
     prompts_of,
     to_engine_kwargs,
 )
+from tokenflow.structured.tools import content_besides_calls
 
 __all__ = ("PASSTHROUGH", "HTTPSettings", "RequestPolicy", "completion_body", "create_app", "engine_lifespan",
            "error_body", "openai_routes", "parse_request", "response_id", "retry_after_s")
@@ -288,7 +289,8 @@ async def tokenize(request: Request, settings: HTTPSettings) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("give exactly one of `prompt` and `messages`", field="prompt")
     if body.messages is not None:
-        tokens = await engine.tokenize([m.to_dict() for m in body.messages])
+        tools = [t.to_dict() for t in body.tools] if body.tools else None
+        tokens = await engine.tokenize([m.to_dict() for m in body.messages], tools=tools)
     else:
         tokens = await engine.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.loaded.max_model_len})
@@ -476,7 +478,12 @@ def completion_body(
         choice: dict[str, Any] = {"index": index, "finish_reason": one.finish_reason, "logprobs": None}
         if logprobs and one.logprobs is not None:
             choice["logprobs"] = logprobs_body(one.logprobs, chat=chat, tokenizer=tokenizer)
-        if chat:
+        if chat and one.tool_calls:
+            choice["finish_reason"] = "tool_calls"
+            choice["message"] = {"role": "assistant", "content": content_besides_calls(one.text), "tool_calls": [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in one.tool_calls]}
+        elif chat:
             choice["message"] = {"role": "assistant", "content": one.text}
         else:
             choice["text"] = one.text

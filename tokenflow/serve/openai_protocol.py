@@ -10,6 +10,7 @@ Value ranges (temperature, penalties, ...) are checked by the engine itself.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -30,11 +31,31 @@ class TextPart(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fiel
     text: str
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Chat templates iterate the arguments as a mapping: parsed when they are a JSON object."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
 
     def to_dict(self) -> dict[str, Any]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
@@ -44,7 +65,34 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         return message
+
+
+class ToolFunction(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # a named or required call always follows its parameters here
+
+
+class ToolSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    function: ToolFunction
+    type: Literal["function"] = "function"
+
+    def to_dict(self) -> dict[str, Any]:
+        function = {k: v for k, v in msgspec.structs.asdict(self.function).items() if v is not None and k != "strict"}
+        return {"type": "function", "function": function}
+
+
+class ChosenFunction(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    function: ChosenFunction
+    type: Literal["function"] = "function"
 
 
 class TextFormat(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -105,9 +153,6 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     logit_bias: dict[int, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     best_of: Any = None
@@ -115,6 +160,9 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
 
 class ChatCompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True, frozen=True):
     messages: list[ChatMessage]
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted: "auto" returns every call the model writes
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -133,6 +181,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolSpec] | None = None
     add_special_tokens: bool = True
 
 
@@ -141,8 +190,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     tokens: list[int]
 
 
-_UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-                "best_of", "echo", "suffix")
+_UNSUPPORTED = ("functions", "function_call", "best_of", "echo", "suffix")
 # Body fields that become the Engine keyword of the same name when present.
 PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                "repetition_penalty", "ignore_eos", "priority", "cache_salt", "min_tokens", "stop_token_ids",
@@ -159,6 +207,8 @@ def decode_body(raw: bytes | dict[str, Any], chat: bool) -> ChatCompletionReques
             raise InvalidRequest(f"`{name}` is not supported by this server yet", field=name)
     if not 1 <= body.n <= MAX_N:
         raise InvalidRequest(f"n must be in [1, {MAX_N}]", field="n")
+    if body.stream and getattr(body, "tools", None) and getattr(body, "tool_choice", None) != "none":
+        raise InvalidRequest("streaming tool calls is not supported yet (send stream=false)", field="tools")
     if body.stream and (body.n > 1 or len(prompts_of(body)) > 1):
         raise InvalidRequest("streaming several choices (n > 1, or a batch of prompts) is not supported yet",
                              field="n" if body.n > 1 else "prompt")
@@ -212,6 +262,12 @@ def to_engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> tuple[A
         if not body.messages:
             raise InvalidRequest("`messages` must be a non-empty list of message objects", field="messages")
         prompt: Any = [m.to_dict() for m in body.messages]
+        if body.tools is not None:
+            kwargs["tools"] = [t.to_dict() for t in body.tools]
+        if body.tool_choice is not None:
+            choice = body.tool_choice
+            kwargs["tool_choice"] = choice if isinstance(choice, str) else {
+                "type": "function", "function": {"name": choice.function.name}}
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.logprobs:
             kwargs["logprobs"] = body.top_logprobs or 0

@@ -14,6 +14,7 @@ produces (or was given) against the vocabulary and the model's context length.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from array import array
@@ -35,11 +36,13 @@ __all__ = ("TokenizerStage", "create")
 class _Job:
     """One prompt waiting in a coalesced batch."""
 
-    __slots__ = ("add_special", "done", "error", "messages", "result", "text")
+    __slots__ = ("add_special", "done", "error", "messages", "result", "text", "tools")
 
-    def __init__(self, text: str | None, messages: Sequence[dict[str, Any]] | None, add_special: bool) -> None:
+    def __init__(self, text: str | None, messages: Sequence[dict[str, Any]] | None, add_special: bool,
+                 tools: list[dict[str, Any]] | None = None) -> None:
         self.text = text
         self.messages = messages
+        self.tools = tools
         self.add_special = add_special
         self.result: list[int] | None = None
         self.error: BaseException | None = None
@@ -84,7 +87,8 @@ class TokenizerStage:
     async def handle(self, request: Request, call_next: NextStage) -> None:
         if request.prompt_token_ids is None:
             if request.messages is not None:
-                request.prompt_token_ids = await self._encode(None, request.messages, add_special=False)
+                request.prompt_token_ids = await self._encode(None, request.messages, add_special=False,
+                                                              tools=request.tools)
             else:
                 text = request.prompt or ""
                 _check_text(text)
@@ -111,19 +115,21 @@ class TokenizerStage:
         _check_text(text)
         return await self._encode(text, None, add_special=add_special_tokens)
 
-    async def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """The prompt ids of `messages` through the chat template, exactly as a chat request gets them."""
-        return await self._encode(None, messages, add_special=False)
+    async def encode_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                          ) -> list[int]:
+        """The prompt ids of `messages` (and `tools`) through the chat template, as a chat request gets them."""
+        return await self._encode(None, messages, add_special=False, tools=tools)
 
     async def _encode(
-        self, text: str | None, messages: Sequence[dict[str, Any]] | None, *, add_special: bool
+        self, text: str | None, messages: Sequence[dict[str, Any]] | None, *, add_special: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if text is not None and self._cache_enabled:
             hit = self._cache.get((text, add_special))
             if hit is not None:
                 self.cache_hits += 1
                 return hit.ids.tolist()
-        job = _Job(text, messages, add_special)
+        job = _Job(text, messages, add_special, tools)
         self._pending.append(job)
         if not self._leader_active:
             self._leader_active = True
@@ -188,10 +194,10 @@ class TokenizerStage:
                 continue
             try:
                 if self._spells_special(job.messages):  # rare: encoded on its own, texts kept as plain text
-                    results[i] = self._encode_chat_literally(job.messages)
+                    results[i] = self._encode_chat_literally(job.messages, job.tools)
                     texts.append("")
                 else:
-                    texts.append(self.render_chat(job.messages))
+                    texts.append(self.render_chat(job.messages, job.tools))
             except InvalidRequest as exc:
                 texts.append(exc)
             except Exception as exc:
@@ -225,7 +231,8 @@ class TokenizerStage:
             return False
         return any(s in text for m in messages for text in _message_texts(m) for s in self._special_texts)
 
-    def _encode_chat_literally(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def _encode_chat_literally(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                               ) -> list[int]:
         """Encode a chat whose message texts spell special tokens: those texts with special tokens split
         into plain text, the template's own text with its control tokens.
 
@@ -241,7 +248,7 @@ class TokenizerStage:
                 literal[name] = content
                 message = {**message, "content": name}
             substituted.append(message)
-        rendered = self.render_chat(substituted)
+        rendered = self.render_chat(substituted, tools)
         ids: list[int] = []
         for n, piece in enumerate(re.split(f"({marker}\\d+X)", rendered)):
             if n % 2:  # a placeholder
@@ -255,7 +262,7 @@ class TokenizerStage:
             raise InvalidRequest("the chat template changed a message's text", field="messages")
         return ids
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         if not isinstance(messages, Sequence) or not messages:
             raise InvalidRequest("`messages` must be a non-empty list of {role, content} dicts", field="messages")
         for m in messages:
@@ -263,13 +270,21 @@ class TokenizerStage:
                 m.get("content"), str
             ):
                 raise InvalidRequest("each message must be a dict with string `role` and `content`", field="messages")
-            _check_text(m["content"], field="messages")
+            if m["content"] or not m.get("tool_calls"):  # an assistant turn that only called tools has no text
+                _check_text(m["content"], field="messages")
             if not self._special_in_chat and any(s in m["role"] for s in self._special_texts):
                 raise InvalidRequest("a message role spells one of the model's control tokens", field="messages")
+            calls = m.get("tool_calls")
+            if calls and not self._special_in_chat and any(s in json.dumps(calls) for s in self._special_texts):
+                raise InvalidRequest("a message's tool call spells one of the model's control tokens",
+                                     field="messages")
+        if tools and not self._special_in_chat and any(t in json.dumps(tools) for t in self._special_texts):
+            raise InvalidRequest("a tool definition spells one of the model's control tokens", field="tools")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequest("this model has no chat template; use generate() with a prompt", field="messages")
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                                      **({"tools": tools} if tools else {}))
         except Exception as exc:
             raise InvalidRequest(f"chat messages could not be rendered: {exc}", field="messages") from None
         _check_text(text, field="messages")
