@@ -28,7 +28,7 @@ from tokenflow.hub import resolve_model
 from tokenflow.kv.block_hash import model_key
 from tokenflow.limits import RequestLimits
 from tokenflow.output.processor import OutputProcessor, usage_of
-from tokenflow.params import Chunk, Completion, SamplingParams, ToolCall
+from tokenflow.params import STRUCTURED_FIELDS, Chunk, Completion, SamplingParams, ToolCall
 from tokenflow.progress import steps
 from tokenflow.protocols import EngineContext, NextStage
 from tokenflow.request import Request
@@ -331,8 +331,8 @@ class Engine:
                                  f"{self.limits.max_prompt_chars} (max_prompt_chars)", field="tools")
         schema = tool_schema(checked, choice)
         if schema is not None:
-            given = SamplingParams.from_kwargs(params, **kwargs)
-            if given.structured:
+            given = params is not None and params.structured
+            if given or any(kwargs.get(name) not in (None, False) for name in STRUCTURED_FIELDS):
                 raise InvalidRequest("a named or required tool call is its own output constraint", field="tool_choice")
             kwargs = {**kwargs, "json_schema": schema}
         return checked, choice, kwargs

@@ -42,7 +42,6 @@ from functools import partial
 from typing import Any
 
 import anyio
-import msgspec
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -61,6 +60,7 @@ from tokenflow.serve.openai_protocol import (
     TokenizeRequest,
     decode_as,
     decode_body,
+    engine_kwargs,
     prompts_of,
     to_engine_kwargs,
 )
@@ -373,8 +373,7 @@ async def _serve_many(request: Request, settings: HTTPSettings, body: Any, promp
     """Several choices: `n` samples of each prompt (the prompt prefilled once, see `Engine.generate_many`),
     choice `p * n + i` being sample `i` of prompt `p`."""
     engine: Engine = request.app.state.engine
-    one_prompt = {"n": 1} if chat else {"n": 1, "prompt": "x"}  # the shared keywords, as for one request
-    _, kwargs = to_engine_kwargs(msgspec.structs.replace(body, **one_prompt))
+    kwargs = engine_kwargs(body)
     kwargs = await _apply_policy(request, kwargs, settings)
     n = body.n
     results: list[list[Completion] | Exception] = [[] for _ in prompts]

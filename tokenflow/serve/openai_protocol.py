@@ -18,7 +18,7 @@ import msgspec
 from tokenflow.errors import InvalidRequest
 
 __all__ = ("ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest", "decode_as",
-           "decode_body", "prompts_of", "to_engine_kwargs")
+           "decode_body", "engine_kwargs", "prompts_of", "to_engine_kwargs")
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -257,11 +257,18 @@ def to_engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> tuple[A
     for batches; several choices, `n` > 1, are the caller's to fan out)."""
     if body.n != 1:
         raise InvalidRequest("n > 1 is not supported by this route", field="n")
+    prompts = prompts_of(body)
+    if len(prompts) != 1:
+        raise InvalidRequest("a batch of prompts is not supported here", field="prompt")
+    return prompts[0], engine_kwargs(body)
+
+
+def engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """The Engine keyword arguments of a decoded body, shared by each of its prompts and choices."""
     kwargs: dict[str, Any] = {k: getattr(body, k) for k in PASSTHROUGH if getattr(body, k) is not None}
     if isinstance(body, ChatCompletionRequest):
         if not body.messages:
             raise InvalidRequest("`messages` must be a non-empty list of message objects", field="messages")
-        prompt: Any = [m.to_dict() for m in body.messages]
         if body.tools is not None:
             kwargs["tools"] = [t.to_dict() for t in body.tools]
         if body.tool_choice is not None:
@@ -272,10 +279,6 @@ def to_engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> tuple[A
         if body.logprobs:
             kwargs["logprobs"] = body.top_logprobs or 0
     else:
-        prompts = prompts_of(body)
-        if len(prompts) != 1:
-            raise InvalidRequest("a batch of prompts is not supported here", field="prompt")
-        prompt = prompts[0]
         max_tokens = body.max_tokens
         if body.logprobs is not None:
             kwargs["logprobs"] = body.logprobs
@@ -284,7 +287,7 @@ def to_engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> tuple[A
     kwargs.update(_constraint(body))
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
-    return prompt, kwargs
+    return kwargs
 
 
 def _constraint(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
