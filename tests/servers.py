@@ -67,6 +67,12 @@ class Server:
     def stats(self) -> dict[str, Any]:
         return self.app.state.engine.stats()
 
+    def openai_client(self) -> Any:
+        """The official client on this server's /v1, no retries (a refusal must surface as is)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
 
 class ServeProcess:
     """`python -m tokenflow serve ARGS...` on a free port, its output in a log file."""

@@ -22,7 +22,7 @@ def server(tiny_model) -> Iterator[Server]:
 
 @pytest.fixture
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.openai_client()
 
 
 def test_streamed_chat_logprobs_match_the_whole_response(client: openai.OpenAI) -> None:

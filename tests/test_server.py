@@ -23,7 +23,7 @@ def server(tiny_model) -> Iterator[Server]:
 
 @pytest.fixture
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.openai_client()
 
 
 def test_health_and_models(server: Server, client: openai.OpenAI) -> None:
@@ -90,7 +90,7 @@ def test_bad_parameters_are_400(client: openai.OpenAI) -> None:
 
 def test_overloaded_is_429_with_retry_after(tiny_model) -> None:
     with Server(tiny_model, max_num_seqs=1, max_queue=1) as small:
-        client = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0)
+        client = small.openai_client()
 
         def call(i: int) -> Any:
             try:

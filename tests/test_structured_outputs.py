@@ -156,12 +156,11 @@ async def test_real_model_answers_in_json(real_model) -> None:
 # -- over HTTP, with the official openai client ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def client(tiny_model):
-    import openai
 
     from tests.servers import Server
 
     with Server(tiny_model, max_num_seqs=8) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        yield server.openai_client()
 
 
 def test_http_response_format_json_schema(client) -> None:

@@ -111,7 +111,7 @@ async def test_bad_tools_are_typed_errors(tools_model) -> None:
 @pytest.fixture(scope="module")
 def client(tools_model) -> Iterator[openai.OpenAI]:
     with Server(tools_model, max_num_seqs=4) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        yield server.openai_client()
 
 
 def test_http_named_tool_call_and_its_answer(client: openai.OpenAI) -> None:
