@@ -9,14 +9,15 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.servers import Server
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model) -> Iterator[Server]:
-    with Server(tiny_model, max_num_seqs=4) as running:
+    with Server(tiny_model, max_num_seqs=4, dtype="float32") as running:  # fp32 on every host: oracle checks
         yield running
 
 
@@ -152,3 +153,56 @@ def test_a_batch_of_prompts(client: openai.OpenAI) -> None:
     ids = client.completions.create(model="tiny-llama", prompt=[[5, 6, 7], [8, 9]], max_tokens=2, n=2,
                                     temperature=1.0)
     assert [c.index for c in ids.choices] == [0, 1, 2, 3]
+
+
+def _oracle_prompt_logprobs(tiny_model, ids: list[int]) -> list[float]:
+    """Each prompt token's log-probability after the ones before it, from transformers in fp32."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return [float(logprobs[p - 1, ids[p]]) for p in range(1, len(ids))]
+
+
+def test_echo_logprobs_equal_the_oracle(client: openai.OpenAI, tiny_model) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = "the river flows past the old mill and into the sea"
+    ids = tokenizer(prompt)["input_ids"]
+    expected = _oracle_prompt_logprobs(tiny_model, ids)
+    done = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                     echo=True, extra_body={"ignore_eos": True}).choices[0]
+    plain = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert done.text == prompt + plain.text
+    lp = done.logprobs
+    assert lp.tokens[:len(ids)] == [tokenizer.decode([t]) for t in ids]
+    assert lp.tokens[len(ids):] == plain.logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-4)
+    assert lp.token_logprobs[len(ids):] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])  # the top 2, and the prompt token if not in them
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[len(ids)] == len(prompt)
+    # a batch of token-id prompts, as lm-evaluation-harness sends for log-likelihoods
+    other = tokenizer("a cat sat on the mat")["input_ids"]
+    batch = client.completions.create(model="tiny-llama", prompt=[ids, other], max_tokens=1, temperature=0,
+                                      logprobs=1, echo=True).choices
+    assert [c.index for c in batch] == [0, 1]
+    assert batch[0].logprobs.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-4)
+    assert batch[1].logprobs.token_logprobs[1:len(other)] == pytest.approx(
+        _oracle_prompt_logprobs(tiny_model, other), abs=1e-4)
+    assert batch[1].text.startswith(tokenizer.decode(other))
+    echoed = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=2, echo=True)  # no logprobs
+    assert echoed.choices[0].text.startswith(prompt) and echoed.choices[0].logprobs is None
+
+
+def test_streamed_echo(client: openai.OpenAI, tiny_model) -> None:
+    prompt = "the river flows past the old mill"
+    kwargs = dict(model="tiny-llama", prompt=prompt, max_tokens=4, temperature=0, logprobs=1, echo=True,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    events = [e.choices[0] for e in client.completions.create(stream=True, **kwargs) if e.choices]
+    assert events[0].text == prompt and "".join(e.text for e in events) == whole.text
+    tokens = [t for e in events if e.logprobs for t in e.logprobs.tokens]
+    values = [v for e in events if e.logprobs for v in e.logprobs.token_logprobs]
+    offsets = [o for e in events if e.logprobs for o in e.logprobs.text_offset]
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert values[0] is None and values[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-5)

@@ -350,6 +350,9 @@ class Engine:
         self._check_open()
         assert self._loop is not None and self.limits is not None
         request.max_tokens = self.limits.max_new_tokens(request.params, request.num_prompt_tokens)
+        if request.params.prompt_logprobs is not None and self._loop.static:
+            raise InvalidRequest("prompt_logprobs need a step backend (`paged`), not a static one",
+                                 field="prompt_logprobs")
         if request.params.structured:
             if self._loop.static:
                 raise InvalidRequest("structured outputs need a step backend (`paged`), not a static one",
@@ -430,6 +433,7 @@ class Engine:
             logprobs=logprobs if request.params.logprobs is not None else None,
             prompt_token_ids=request.prompt_token_ids,
             tool_calls=self._tool_calls(request, text),
+            prompt_logprobs=chunks[0].prompt_logprobs,
         )
 
     @staticmethod

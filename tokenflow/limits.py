@@ -72,6 +72,9 @@ class RequestLimits:
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise InvalidRequest(f"logprobs may be at most {self.max_logprobs}, got {params.logprobs}",
                                  field="logprobs")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
+            raise InvalidRequest(f"prompt_logprobs may be at most {self.max_logprobs}, got {params.prompt_logprobs}",
+                                 field="prompt_logprobs")
         if params.structured:
             self._check_constraint_size(params)
         if params.logit_bias and len(params.logit_bias) > self.max_logit_bias:

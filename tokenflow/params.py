@@ -53,6 +53,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     ignore_eos: bool = False
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=_INT32)] = 0
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=_INT32)] | None = None  # at most the engine's max_logprobs
+    # score the prompt: each prompt token's logprob (and this many top alternatives), as vLLM's prompt_logprobs
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=_INT32)] | None = None
     skip_special_tokens: bool = True
     priority: Annotated[int, msgspec.Meta(ge=-_INT32, le=_INT32)] = 0
     timeout: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
@@ -177,6 +179,7 @@ class Chunk(msgspec.Struct):
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
     usage: Usage | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # on the first chunk, when asked for
 
 
 class Completion(msgspec.Struct):
@@ -191,3 +194,5 @@ class Completion(msgspec.Struct):
     logprobs: list[TokenLogprob] | None = None
     prompt_token_ids: list[int] | None = None
     tool_calls: list[ToolCall] | None = None  # chat with tools: the calls read from the text
+    # with `prompt_logprobs`: None for the first prompt token, then {token_id: logprob} for each one after
+    prompt_logprobs: list[dict[int, float] | None] | None = None

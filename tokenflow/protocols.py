@@ -113,6 +113,24 @@ class ScheduledChunk:
         """True when this chunk reaches the end of the request's known tokens."""
         return self.request.num_computed_tokens + self.num_tokens - len(self.draft) == self.request.num_tokens
 
+    @property
+    def num_prompt_logits(self) -> int:
+        """Positions of this chunk whose logits score a prompt token (the request asked for
+        `prompt_logprobs`): position p scores prompt token p + 1. They are the chunk's first rows."""
+        request = self.request
+        if request.params.prompt_logprobs is None or self.draft:
+            return 0
+        start = request.num_computed_tokens
+        return max(0, min(start + self.num_tokens, request.num_prompt_tokens - 1) - start)
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Logits rows the forward keeps for this chunk, its last ones: every row when it scores prompt
+        tokens, else one per sampled position (the known token and each draft token), else none."""
+        if self.num_prompt_logits:
+            return self.num_tokens
+        return 1 + len(self.draft) if self.samples else 0
+
 
 @dataclass
 class StepPlan:
@@ -134,6 +152,8 @@ class StepOutput:
 
     sampled: SamplerOutput
     draft_argmax: list[list[int]]
+    # requests asking for prompt_logprobs: (first prompt position scored, one entry per position)
+    prompt_logprobs: list[tuple[Request, int, list[dict[int, float]]]] = field(default_factory=list)
 
 
 # (request, token, logprob, in_cache): a taken token, and whether its K/V is already in the cache

@@ -109,6 +109,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # `params.stop_token_ids` as a set, built once
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with params.prompt_logprobs: one entry per prompt token scored so far (None for the first)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # Prefix caching: keys of the full blocks hashed so far, how many of the table's blocks are

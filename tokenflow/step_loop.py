@@ -35,6 +35,7 @@ from tokenflow.output.processor import OutputProcessor
 from tokenflow.protocols import (
     EngineObserver,
     KVPool,
+    ScheduledChunk,
     Scheduler,
     StaticBackend,
     StaticScheduler,
@@ -187,6 +188,9 @@ class StepLoop:
         self._notify_step(time.perf_counter() - started, True)
         self._failures = 0
         self.num_steps += 1
+        for request, first, entries in output.prompt_logprobs:  # positions not yet scored (a recompute repeats them)
+            have = len(request.prompt_logprobs)
+            request.prompt_logprobs.extend(entries[max(0, have - 1 - first):])
         result = scheduler.update_from_output(plan, output, self.output)
         for request, error in result.failed:
             self._fail(request, error)
@@ -209,18 +213,46 @@ class StepLoop:
             masks = filling.result() if filling is not None else None  # never leave the worker mid-fill
         self.last_forward_ms = (time.perf_counter() - t0) * 1e3
         rows = [row_of(c.request) for c in sampling]
-        if not rows:
-            return StepOutput(SamplerOutput(token_ids=[], logprobs=None), [])
-        if not any(c.draft for c in sampling):
+        if not any(c.draft or c.num_prompt_logits for c in plan.chunks):  # the common case: a row per sample
+            if not rows:
+                return StepOutput(SamplerOutput(token_ids=[], logprobs=None), [])
             return StepOutput(self.sampler.sample(logits, rows, masks), [[] for _ in rows])
-        argmax = logits[:, : self.sampler.vocab_size].argmax(-1).tolist()  # columns past the vocab are padding
         first: list[int] = []  # each sampling chunk's row of logits for its known token
+        after_draft: list[list[int]] = []
+        scored: list[tuple[Request, int, list[dict[int, float]]]] = []
         row = 0
-        for c in sampling:
-            first.append(row)
-            row += 1 + len(c.draft)
-        after_draft = [argmax[r + 1:r + 1 + len(c.draft)] for r, c in zip(first, sampling)]
-        return StepOutput(self.sampler.sample(logits[first], rows, masks), after_draft)
+        for c in plan.chunks:
+            count = c.num_logit_rows
+            if c.num_prompt_logits:
+                scored.append((c.request, c.request.num_computed_tokens,
+                               self._prompt_logprobs(logits[row:row + c.num_prompt_logits], c)))
+            if c.samples:
+                known = row + count - 1 - len(c.draft)
+                first.append(known)
+                draft_rows = logits[known + 1:known + 1 + len(c.draft), : self.sampler.vocab_size]
+                after_draft.append(draft_rows.argmax(-1).tolist() if c.draft else [])
+            row += count
+        sampled = self.sampler.sample(logits[first], rows, masks) if rows else SamplerOutput([], None)
+        return StepOutput(sampled, after_draft, scored)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, chunk: ScheduledChunk) -> list[dict[int, float]]:
+        """For each row (position p), the log-probability of prompt token p + 1 and of the top
+        `prompt_logprobs` tokens there, from the raw logits (as vLLM's prompt_logprobs)."""
+        request = chunk.request
+        start = request.num_computed_tokens
+        targets = torch.tensor(request.all_token_ids[start + 1:start + 1 + logits.shape[0]], device=logits.device)
+        logprobs = torch.log_softmax(logits[:, : self.sampler.vocab_size].float(), dim=-1)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+        width = request.params.prompt_logprobs or 0
+        top_v, top_i = logprobs.topk(width, dim=-1) if width else (None, None)
+        out = []
+        for j, token in enumerate(targets.tolist()):
+            entry = {token: chosen[j]}
+            if top_i is not None:
+                entry.update(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True))
+                entry[token] = chosen[j]
+            out.append(entry)
+        return out
 
     async def _run_static_batch(self) -> None:
         scheduler = self.scheduler

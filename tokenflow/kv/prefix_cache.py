@@ -137,8 +137,8 @@ class PrefixCache(BlockPool):
     def lookup_prefix(self, request: Request) -> PrefixHit | None:
         """The resident prefix `request` may share; None while a lower tier loads the rest of it (lower
         tiers are asked in order for what the pool lacks). Changes no request state."""
-        if not self.prefix_caching or request.block_table:
-            return PrefixHit([], 0)
+        if not self.prefix_caching or request.block_table or request.params.prompt_logprobs is not None:
+            return PrefixHit([], 0)  # prompt_logprobs: every prompt position's logits must be computed
         for tier in self.lower_tiers:
             tier.poll()
         keys = self.prefix_keys(request)

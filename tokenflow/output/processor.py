@@ -45,7 +45,8 @@ class OutputProcessor:
         request.output_token_ids.append(token_id)
         if logprob is not None:
             request.output_logprobs.append(logprob)
-        if request.first_token_time is None:
+        first = request.first_token_time is None
+        if first:
             request.first_token_time = time.monotonic()
         num_out = len(request.output_token_ids)
 
@@ -77,7 +78,7 @@ class OutputProcessor:
             text += tail
             if matched is not None:
                 finish, request.stop_reason = "stop", matched
-        self._emit(request, text, [token_id], logprob, finish)
+        self._emit(request, text, [token_id], logprob, finish, first=first)
         return finish is not None
 
     def finish_length(self, request: Request) -> None:
@@ -85,7 +86,8 @@ class OutputProcessor:
         tail, matched = self._flush(request, stopped_by_string=False)
         if matched is not None:
             request.stop_reason = matched
-        self._emit(request, tail, [], None, "stop" if matched is not None else "length")
+        self._emit(request, tail, [], None, "stop" if matched is not None else "length",
+                   first=not request.output_token_ids)
 
     def finish_aborted(self, request: Request) -> None:
         """End a request that was cancelled or timed out (no flush of held text)."""
@@ -105,9 +107,12 @@ class OutputProcessor:
         return (tail, matched) if matched is not None else (tail + stops.flush(), None)
 
     def _emit(
-        self, request: Request, text: str, token_ids: list[int], logprob: TokenLogprob | None, finish: str | None
+        self, request: Request, text: str, token_ids: list[int], logprob: TokenLogprob | None, finish: str | None,
+        *, first: bool = False,
     ) -> None:
         chunk = Chunk(text=text, token_ids=token_ids, logprobs=[logprob] if logprob is not None else None)
+        if first and request.params.prompt_logprobs is not None:  # the prompt is scored by its first token
+            chunk.prompt_logprobs = list(request.prompt_logprobs)
         if finish is not None:
             request.finish_reason = finish
             chunk.finish_reason = finish  # type: ignore[assignment]

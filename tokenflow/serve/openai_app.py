@@ -342,8 +342,10 @@ async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Res
             await stream.aclose()  # type: ignore[attr-defined]
             return Response(status_code=499)  # nobody reads it; the request is aborted
         request.app.state.metrics.ttft.observe(time.perf_counter() - started)
+        echo = _echo_texts(body, [prompt], engine.loaded.tokenizer)
         return _EventStream(_events(request, stream, first, rid, chat, include_usage, started, settings,
-                                    logprobs=kwargs.get("logprobs") is not None))
+                                    logprobs=kwargs.get("logprobs") is not None, echo=echo[0] if echo else None,
+                                    prompt_ids=prompt if isinstance(prompt, list) and not chat else None))
     call = engine.chat(prompt, **kwargs) if chat else engine.generate(prompt, **kwargs)
     done = await _unless_disconnected(request, lambda: call)
     if done is _DISCONNECTED:
@@ -352,6 +354,7 @@ async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Res
     return JSONResponse(completion_body(
         done, chat=chat, model=engine.model_name, rid=rid, logprobs=kwargs.get("logprobs") is not None,
         tokenizer=engine.loaded.tokenizer, report_cached_tokens=settings.report_cached_tokens,
+        echo=_echo_texts(body, [prompt], engine.loaded.tokenizer),
     ))
 
 
@@ -401,12 +404,13 @@ async def _serve_many(request: Request, settings: HTTPSettings, body: Any, promp
     return JSONResponse(completion_body(
         [c for group in results if isinstance(group, list) for c in group], chat=chat, model=engine.model_name, n=n,
         logprobs=kwargs.get("logprobs") is not None, tokenizer=engine.loaded.tokenizer,
-        report_cached_tokens=settings.report_cached_tokens))
+        report_cached_tokens=settings.report_cached_tokens,
+        echo=_echo_texts(body, [p for p in prompts for _ in range(n)], engine.loaded.tokenizer)))
 
 
 async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk | None, rid: str, chat: bool,
-                  include_usage: bool, started: float, settings: HTTPSettings, logprobs: bool = False
-                  ) -> AsyncIterator[str]:
+                  include_usage: bool, started: float, settings: HTTPSettings, logprobs: bool = False,
+                  echo: str | None = None, prompt_ids: list[int] | None = None) -> AsyncIterator[str]:
     engine: Engine = request.app.state.engine
     app_metrics: EngineMetrics = request.app.state.metrics
     created = int(time.time())
@@ -419,6 +423,14 @@ async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk |
         chunk = first
         text_offset = 0
         tokenizer = engine.loaded.tokenizer
+        if echo is not None and first is not None:  # the prompt first, scored when logprobs were asked for
+            echoed: dict[str, Any] = {"index": 0, "text": echo, "finish_reason": None, "logprobs": None}
+            if logprobs and first.prompt_logprobs is not None:
+                ids = prompt_ids if prompt_ids is not None else await engine.tokenize(echo)
+                echoed["logprobs"] = prompt_logprobs_body(ids, first.prompt_logprobs, tokenizer)
+            yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name,
+                        "choices": [echoed]})
+            text_offset = len(echo)
         while chunk is not None:
             usage = chunk.usage or usage
             if chat:
@@ -453,6 +465,13 @@ def parse_request(body: Any, chat: bool) -> tuple[Any, dict[str, Any]]:
     return to_engine_kwargs(decode_body(body, chat))
 
 
+def _echo_texts(body: Any, prompts: Sequence[Any], tokenizer: Any) -> list[str] | None:
+    """With `echo`, each prompt's text (a token-id prompt decoded); else None."""
+    if not getattr(body, "echo", False):
+        return None
+    return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+
+
 def _usage(usage: Usage, report_cached_tokens: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                            "total_tokens": usage.total_tokens}
@@ -468,15 +487,21 @@ def response_id(chat: bool) -> str:
 def completion_body(
     done: Completion | Sequence[Completion], *, chat: bool, model: str, rid: str | None = None,
     logprobs: bool = False, tokenizer: Any = None, report_cached_tokens: bool = False, n: int = 1,
+    echo: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """The OpenAI response body of finished requests, one choice each in order (`n` choices per prompt:
-    usage counts each prompt once); logprobs need the tokenizer to spell tokens."""
+    usage counts each prompt once); logprobs need the tokenizer to spell tokens. `echo`: each choice's
+    prompt text, put before its completion (with its prompt logprobs when the request has them)."""
     dones = [done] if isinstance(done, Completion) else list(done)
     choices = []
     for index, one in enumerate(dones):
         choice: dict[str, Any] = {"index": index, "finish_reason": one.finish_reason, "logprobs": None}
+        prefix = echo[index] if echo is not None else ""
         if logprobs and one.logprobs is not None:
-            choice["logprobs"] = logprobs_body(one.logprobs, chat=chat, tokenizer=tokenizer)
+            choice["logprobs"] = logprobs_body(one.logprobs, chat=chat, tokenizer=tokenizer, text_offset=len(prefix))
+            if echo is not None and one.prompt_logprobs is not None:
+                scored = prompt_logprobs_body(one.prompt_token_ids or [], one.prompt_logprobs, tokenizer)
+                choice["logprobs"] = {key: scored[key] + choice["logprobs"][key] for key in scored}
         if chat and one.tool_calls:
             choice["finish_reason"] = "tool_calls"
             choice["message"] = {"role": "assistant", "content": content_besides_calls(one.text), "tool_calls": [
@@ -485,7 +510,7 @@ def completion_body(
         elif chat:
             choice["message"] = {"role": "assistant", "content": one.text}
         else:
-            choice["text"] = one.text
+            choice["text"] = prefix + one.text
         choices.append(choice)
     usage = Usage(prompt_tokens=sum(d.usage.prompt_tokens for d in dones[::n]),
                   completion_tokens=sum(d.usage.completion_tokens for d in dones),
@@ -517,6 +542,20 @@ def logprobs_body(logprobs: Sequence[TokenLogprob], *, chat: bool, tokenizer: An
         "tokens": [text(lp.token_id) for lp in logprobs],
         "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
         "top_logprobs": [{text(t): _finite(v) for t, v in lp.top.items()} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def prompt_logprobs_body(prompt_token_ids: Sequence[int], prompt_logprobs: Sequence[dict[int, float] | None],
+                         tokenizer: Any) -> dict[str, Any]:
+    """The completions `logprobs` arrays of an echoed prompt, `None` for its first token (as OpenAI's echo)."""
+    tokens = [tokenizer.decode([t]) for t in prompt_token_ids]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_finite(e[t]) if e else None for e, t in zip(prompt_logprobs, prompt_token_ids)],
+        "top_logprobs": [{tokenizer.decode([k]): _finite(v) for k, v in e.items()} if e else None
+                         for e in prompt_logprobs],
         "text_offset": offsets,
     }
 

@@ -171,7 +171,7 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=
 class CompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True, frozen=True):
     prompt: str | list[int | str | list[int]]
     logprobs: int | None = None
-    echo: Any = None
+    echo: bool = False  # the prompt's text (and with `logprobs`, its tokens' logprobs) before the completion
     suffix: Any = None
 
 
@@ -190,7 +190,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     tokens: list[int]
 
 
-_UNSUPPORTED = ("functions", "function_call", "best_of", "echo", "suffix")
+_UNSUPPORTED = ("functions", "function_call", "best_of", "suffix")
 # Body fields that become the Engine keyword of the same name when present.
 PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                "repetition_penalty", "ignore_eos", "priority", "cache_salt", "min_tokens", "stop_token_ids",
@@ -282,6 +282,8 @@ def engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[str, 
         max_tokens = body.max_tokens
         if body.logprobs is not None:
             kwargs["logprobs"] = body.logprobs
+            if body.echo:
+                kwargs["prompt_logprobs"] = body.logprobs
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
     kwargs.update(_constraint(body))

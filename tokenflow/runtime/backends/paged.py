@@ -105,7 +105,8 @@ class PagedBackend:
                  self.kv_bytes / 2**20)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Blocking: one forward; logits in plan order, one row per sampling chunk plus one per draft token."""
+        """Blocking: one forward; logits in plan order, `num_logit_rows` rows per chunk (one per sampling
+        chunk plus one per draft token, and every row of a chunk that scores prompt tokens)."""
         assert self.runner is not None
         chunks = []
         for c in plan.chunks:
@@ -118,7 +119,8 @@ class PagedBackend:
                 tokens = r.all_token_ids[start:start + known]
             if c.draft:  # verified in the same forward: the logits of every draft position are kept
                 tokens = tokens + c.draft
-            chunks.append(SeqChunk(tokens, start, r.block_table, c.samples, 1 + len(c.draft)))
+            rows = c.num_logit_rows
+            chunks.append(SeqChunk(tokens, start, r.block_table, rows > 0, max(rows, 1)))
         if self.buckets and plan.num_tokens == len(chunks):  # decode-only: pad to a static batch size
             pad = padded_size(len(chunks), self.buckets) - len(chunks)
             chunks.extend(SeqChunk([0], 0, [self.scratch_block], False) for _ in range(pad))
