@@ -205,3 +205,36 @@ def test_http_refusals(client) -> None:
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, extra_body={"suffix": "y"})
     assert info.value.body["param"] == "suffix"
     assert client.completions.create(model="tiny-llama", prompt="x", max_tokens=2).choices[0].text is not None
+
+
+@pytest.mark.parametrize("masked_first", [False, True])
+async def test_constrained_draws_follow_the_masked_distribution(tiny_model, masked_first) -> None:
+    """A row without logprobs or top-k/top-p/min-p is sampled unconstrained and drawn again under its mask
+    only when the grammar refuses the token; both ways the first token's frequencies must be the model's
+    softmax restricted to the allowed tokens (here the ten digits of `[0-9]`)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    digits = {tokenizer.convert_tokens_to_ids(d): d for d in "0123456789"}
+    prompt = "the number is"
+    ids = tokenizer(prompt)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    allowed = torch.tensor(sorted(digits))
+    expected = dict(zip((digits[t] for t in allowed.tolist()), torch.softmax(logits[allowed], -1).tolist()))
+    extra = {"logprobs": 0} if masked_first else {}
+    draws = 1280
+    async with Engine(tiny_model, max_num_seqs=16, dtype="float32") as engine:
+        done = [c for batch in range(draws // 16) for c in await engine.generate_many(
+            ids, 16, regex="[0-9]", temperature=1.0, seed=1000 * batch, max_tokens=4, **extra)]
+        resampled = engine.stats()["num_masked_resamples"]
+    counts = {d: sum(c.text == d for c in done) for d in expected}
+    assert sum(counts.values()) == draws
+    total_variation = 0.5 * sum(abs(counts[d] / draws - p) for d, p in expected.items())
+    assert total_variation < 0.07, (counts, expected)  # a uniform draw is 0.34 away
+    if masked_first:
+        assert resampled == 0
+    else:  # a random-weight model mostly prefers a non-digit: most first draws were refused and redrawn
+        assert resampled > draws / 2

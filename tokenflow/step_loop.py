@@ -24,7 +24,7 @@ import collections
 import logging
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.from_thread
@@ -48,8 +48,11 @@ from tokenflow.rates import RateWindow
 from tokenflow.request import Request, RequestStatus
 from tokenflow.runtime.loader import LoadedModel
 from tokenflow.runtime.model_thread import ModelThread
-from tokenflow.runtime.sampler import RowFailure, Sampler, SamplerOutput, row_of
-from tokenflow.structured.bitmask import MaskFiller
+from tokenflow.runtime.sampler import RowFailure, Sampler, SamplerOutput, SamplingRow, row_of
+from tokenflow.structured.bitmask import MaskFiller, StepMasks, fill_masks, masked_first
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 __all__ = ("MAX_CONSECUTIVE_FAILURES", "KVLeakError", "StepLoop")
 
@@ -94,6 +97,7 @@ class StepLoop:
         self.num_aborted = 0
         self.num_failed = 0
         self.num_oom_recoveries = 0
+        self.num_masked_resamples = 0  # constrained tokens drawn again under their mask (the grammar refused one)
         self.last_step_ms = 0.0
         self.last_forward_ms = 0.0
         self._tokens = RateWindow()  # generated tokens, for tokens/s
@@ -205,7 +209,8 @@ class StepLoop:
         are filled on the mask worker while the forward pass runs."""
         sampling = [c for c in plan.chunks if c.samples]
         constrained = [(j, c.request.constraint) for j, c in enumerate(sampling) if c.request.constraint is not None]
-        filling = self.masks.start(constrained)
+        lazy = [(j, m) for j, m in constrained if not masked_first(sampling[j].request.params)]
+        filling = self.masks.start([(j, m) for j, m in constrained if masked_first(sampling[j].request.params)])
         t0 = time.perf_counter()
         try:
             logits = self.backend.execute(plan)
@@ -216,7 +221,7 @@ class StepLoop:
         if not any(c.draft or c.num_prompt_logits for c in plan.chunks):  # the common case: a row per sample
             if not rows:
                 return StepOutput(SamplerOutput(token_ids=[], logprobs=None), [])
-            return StepOutput(self.sampler.sample(logits, rows, masks), [[] for _ in rows])
+            return StepOutput(self._sample(logits, rows, masks, lazy), [[] for _ in rows])
         first: list[int] = []  # each sampling chunk's row of logits for its known token
         after_draft: list[list[int]] = []
         scored: list[tuple[Request, int, list[dict[int, float]]]] = []
@@ -232,8 +237,27 @@ class StepLoop:
                 draft_rows = logits[known + 1:known + 1 + len(c.draft), : self.sampler.vocab_size]
                 after_draft.append(draft_rows.argmax(-1).tolist() if c.draft else [])
             row += count
-        sampled = self.sampler.sample(logits[first], rows, masks) if rows else SamplerOutput([], None)
+        sampled = self._sample(logits[first], rows, masks, lazy) if rows else SamplerOutput([], None)
         return StepOutput(sampled, after_draft, scored)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None,
+                lazy: list[tuple[int, LLMatcher]]) -> SamplerOutput:
+        """Sample every row; then the `lazy` constrained rows whose token their grammar refuses are sampled
+        again under their mask (see `masked_first`)."""
+        sampled = self.sampler.sample(logits, rows, masks)
+        refused = [(j, m) for j, m in lazy
+                   if j not in sampled.failed and (m.is_error() or not m.validate_tokens([sampled.token_ids[j]]))]
+        if not refused:
+            return sampled
+        self.num_masked_resamples += len(refused)
+        again_masks = fill_masks([(k, m) for k, (_, m) in enumerate(refused)], self.sampler.vocab_size)
+        picked = [j for j, _ in refused]
+        again = self.sampler.sample(logits[picked], [rows[j] for j in picked], again_masks)
+        for k, j in enumerate(picked):
+            sampled.token_ids[j] = again.token_ids[k]
+            if k in again.failed:
+                sampled.failed[j] = again.failed[k]
+        return sampled
 
     def _prompt_logprobs(self, logits: torch.Tensor, chunk: ScheduledChunk) -> list[dict[int, float]]:
         """For each row (position p), the log-probability of prompt token p + 1 and of the top
@@ -366,6 +390,7 @@ class StepLoop:
             "num_aborted": self.num_aborted,
             "num_failed": self.num_failed,
             "num_oom_recoveries": self.num_oom_recoveries,
+            "num_masked_resamples": self.num_masked_resamples,
             "step_time_ms": round(self.last_step_ms, 2),
             "forward_time_ms": round(self.last_forward_ms, 2),
             "tokens_per_s": round(self._tokens.rates()[1], 1),

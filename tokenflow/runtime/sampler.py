@@ -389,7 +389,8 @@ def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor
 
 def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """Column drawn from each row's softmax by inverting its CDF at `u` (columns at -inf never win)."""
-    cdf = torch.sub(logits, logits.amax(-1, keepdim=True), out=scratch).exp_().cumsum_(-1)
+    # softmax, not sub + exp: its kernel keeps its speed on rows full of -inf (a grammar's mask), exp's does not
+    cdf = torch.softmax(logits, -1, out=scratch).cumsum_(-1)
     total = cdf[:, -1:]
     target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first column whose CDF > target
