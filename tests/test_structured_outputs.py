@@ -238,3 +238,29 @@ async def test_constrained_draws_follow_the_masked_distribution(tiny_model, mask
         assert resampled == 0
     else:  # a random-weight model mostly prefers a non-digit: most first draws were refused and redrawn
         assert resampled > draws / 2
+
+
+async def test_constrained_greedy_speculation_equals_plain_constrained_greedy(tiny_model, monkeypatch) -> None:
+    """Drafts of constrained greedy requests are checked against the grammar: oracle drafts (the plain
+    constrained output, one guess in three spoiled) are accepted where the raw argmax is refused and the
+    masked one agrees, and n-gram drafts are trimmed to what the grammar allows; outputs never change."""
+    from tests.test_ngram_speculation import _oracle_drafts, _repetitive_prompts
+
+    prompts = _repetitive_prompts(400, 4, seed=3)
+    kwargs = dict(max_tokens=120, temperature=0.0, json_schema=PERSON)
+    async with Engine(tiny_model, max_num_seqs=4) as engine:
+        ref = [(await engine.generate(p, **kwargs)).token_ids for p in prompts]
+    for oracle in (True, False):
+        with monkeypatch.context() as patch:
+            if oracle:
+                patch.setattr("tokenflow.scheduler.scheduler.propose_draft", _oracle_drafts(prompts, ref))
+            async with Engine(tiny_model, max_num_seqs=4, speculative_tokens=3, debug_leaks=True) as engine:
+                done = [await engine.generate(p, **kwargs) for p in prompts]
+                stats = engine.stats()
+        assert [d.token_ids for d in done] == ref
+        for d in done:
+            jsonschema.validate(json.loads(d.text), PERSON)
+        assert stats["kv_blocks_used"] == 0
+        if oracle:
+            assert stats["num_accepted_draft_tokens"] > stats["num_draft_tokens"] / 2
+            assert stats["num_masked_resamples"] > 0

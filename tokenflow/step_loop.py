@@ -50,6 +50,7 @@ from tokenflow.runtime.loader import LoadedModel
 from tokenflow.runtime.model_thread import ModelThread
 from tokenflow.runtime.sampler import RowFailure, Sampler, SamplerOutput, SamplingRow, row_of
 from tokenflow.structured.bitmask import MaskFiller, StepMasks, fill_masks, masked_first
+from tokenflow.structured.drafts import masked_draft_argmax
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -238,6 +239,13 @@ class StepLoop:
                 after_draft.append(draft_rows.argmax(-1).tolist() if c.draft else [])
             row += count
         sampled = self._sample(logits[first], rows, masks, lazy) if rows else SamplerOutput([], None)
+        for j, c in enumerate(sampling):  # a constrained draft: the chain it accepts must be the grammar's
+            matcher = c.request.constraint
+            if c.draft and matcher is not None and j not in sampled.failed:
+                after_draft[j], repaired = masked_draft_argmax(
+                    matcher, sampled.token_ids[j], c.draft, after_draft[j],
+                    logits[first[j] + 1:first[j] + 1 + len(c.draft)], self.sampler.vocab_size)
+                self.num_masked_resamples += repaired
         return StepOutput(sampled, after_draft, scored)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None,

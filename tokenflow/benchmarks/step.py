@@ -66,7 +66,7 @@ class _StepTimes:
         pass
 
 
-async def _structured_rows(model: str, steps: int, rounds: int = 5) -> dict[str, Any]:
+async def _structured_rows(model: str, steps: int, rounds: int = 15) -> dict[str, Any]:
     """Median step time of passes of 16 requests, unconstrained and with LIST_SCHEMA on every row,
     alternating in one engine (so machine drift hits both alike); the median of each pass skips its one
     prefill step. The overhead is the median over rounds of each round's constrained / plain ratio."""

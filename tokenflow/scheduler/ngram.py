@@ -34,7 +34,6 @@ def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
         and params.prompt_logprobs is None  # a draft chunk keeps only its sampled rows
         and not has_penalty(params)
         and num_output_tokens >= params.min_tokens
-        and not params.structured  # a draft's verification would need a mask per draft position
         and not params.logit_bias
     )
 

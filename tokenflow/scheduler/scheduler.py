@@ -57,6 +57,7 @@ from tokenflow.protocols import (
 from tokenflow.request import Request, RequestStatus
 from tokenflow.scheduler.ngram import accepted_tokens, can_speculate, propose_draft
 from tokenflow.scheduler.static import take_bucketed_batch
+from tokenflow.structured.drafts import valid_draft
 
 __all__ = ("BucketingBatcher", "Scheduler", "create")
 
@@ -215,6 +216,8 @@ class Scheduler:
         room = min(self.speculative_tokens, budget - 1, request.max_tokens - num_out - 1,
                    self.max_model_len - request.num_tokens)
         draft = propose_draft(request.all_token_ids, room)
+        if request.constraint is not None:
+            draft = valid_draft(request.constraint, draft)
         if draft:
             needed = self.pool.blocks_needed(request.num_computed_tokens + 1 + len(draft)) - len(request.block_table)
             if needed > 0 and not self.pool.can_allocate(needed + len(self.running)):
