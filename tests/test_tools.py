@@ -5,6 +5,7 @@ Hermes `<tool_call>` form, "none" hides the tools; over HTTP with the official `
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from tests.servers import Server
 from tokenflow import Engine
 from tokenflow.errors import InvalidRequest
-from tokenflow.structured.tools import parse_tool_calls
+from tokenflow.structured.tools import ToolCallStream, parse_tool_calls
 
 # A Hermes-style template: tools in a system turn, earlier calls as <tool_call> blocks.
 TOOLS_TEMPLATE = (
@@ -128,6 +129,59 @@ def test_http_named_tool_call_and_its_answer(client: openai.OpenAI) -> None:
     answer = client.chat.completions.create(model="tiny-llama", messages=history, tools=[WEATHER], max_tokens=5,
                                             temperature=0, tool_choice="none")
     assert answer.choices[0].message.tool_calls is None
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny-llama", messages=ASK, tools=[WEATHER], stream=True, max_tokens=2)
-    assert info.value.body["param"] == "tools"
+
+
+def _streamed(client: openai.OpenAI, **kwargs) -> tuple[str, list[dict], str | None]:
+    """(content, calls assembled from their deltas by index, the finish reason) of a streamed chat."""
+    content, calls, finish = "", {}, None
+    for event in client.chat.completions.create(model="tiny-llama", messages=ASK, stream=True, **kwargs):
+        for choice in event.choices:
+            finish = choice.finish_reason or finish
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = delta.id or call["id"]
+                call["name"] = (delta.function.name if delta.function else None) or call["name"]
+                call["arguments"] += (delta.function.arguments if delta.function else None) or ""
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_http_streamed_tool_calls(client: openai.OpenAI) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(tools=[WEATHER, CLOCK], temperature=1.0, seed=5, max_tokens=200)
+    whole = client.chat.completions.create(model="tiny-llama", messages=ASK, tool_choice=named, **kwargs)
+    content, calls, finish = _streamed(client, tool_choice=named, **kwargs)
+    assert finish == "tool_calls" and content == "" and len(calls) == 1
+    assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert calls[0]["arguments"] == whole.choices[0].message.tool_calls[0].function.arguments
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+    content, calls, finish = _streamed(client, tool_choice="required", **kwargs)
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0]["name"] in ("get_weather", "get_time")
+    # "auto": the model's own text, here forced by a regex, holding content around two calls
+    written = ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+               '</tool_call> <tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call> a < b')
+    forced = dict(tools=[WEATHER, CLOCK], max_tokens=200, temperature=0,
+                  extra_body={"structured_outputs": {"regex": re.escape(written)}})
+    content, calls, finish = _streamed(client, **forced)
+    assert finish == "tool_calls" and content == "Let me check.   a < b"  # as unstreamed: the calls cut out
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
+    whole = client.chat.completions.create(model="tiny-llama", messages=ASK, **forced).choices[0]
+    assert [c.function.name for c in whole.message.tool_calls] == [c["name"] for c in calls]
+
+
+def test_tool_call_stream_reads_any_split_of_the_text() -> None:
+    text = ('Hi <tool_c <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+            '</tool_call><tool_call>{broken</tool_call> end <tool_call>{"name": "get_time"')
+    expected_content, expected_calls = parse_tool_calls(text[: text.rindex("<tool_call>")], [WEATHER, CLOCK], "auto")
+    for cut in range(1, len(text)):
+        for size in (1, 3, 7):
+            stream = ToolCallStream([WEATHER, CLOCK], "auto")
+            pieces = [text[:cut]] + [text[i:i + size] for i in range(cut, len(text), size)]
+            deltas = [d for piece in pieces for d in stream.feed(piece)] + stream.finish()
+            content = "".join(d.get("content", "") for d in deltas)
+            calls = [c["function"] for d in deltas for c in d.get("tool_calls", [])]
+            assert content == 'Hi <tool_c <tool_call>{broken</tool_call> end <tool_call>{"name": "get_time"'
+            assert [(c["name"], c["arguments"]) for c in calls] == [
+                (c.name, c.arguments) for c in expected_calls]
+    assert expected_content is not None

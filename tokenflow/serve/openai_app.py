@@ -64,7 +64,7 @@ from tokenflow.serve.openai_protocol import (
     prompts_of,
     to_engine_kwargs,
 )
-from tokenflow.structured.tools import content_besides_calls
+from tokenflow.structured.tools import ToolCallStream, content_besides_calls
 
 __all__ = ("PASSTHROUGH", "HTTPSettings", "RequestPolicy", "completion_body", "create_app", "engine_lifespan",
            "error_body", "openai_routes", "parse_request", "response_id", "retry_after_s")
@@ -343,9 +343,11 @@ async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Res
             return Response(status_code=499)  # nobody reads it; the request is aborted
         request.app.state.metrics.ttft.observe(time.perf_counter() - started)
         echo = _echo_texts(body, [prompt], engine.loaded.tokenizer)
+        calls = ToolCallStream(kwargs["tools"], kwargs.get("tool_choice") or "auto") if kwargs.get("tools") else None
         return _EventStream(_events(request, stream, first, rid, chat, include_usage, started, settings,
                                     logprobs=kwargs.get("logprobs") is not None, echo=echo[0] if echo else None,
-                                    prompt_ids=prompt if isinstance(prompt, list) and not chat else None))
+                                    prompt_ids=prompt if isinstance(prompt, list) and not chat else None,
+                                    calls=calls))
     call = engine.chat(prompt, **kwargs) if chat else engine.generate(prompt, **kwargs)
     done = await _unless_disconnected(request, lambda: call)
     if done is _DISCONNECTED:
@@ -410,7 +412,8 @@ async def _serve_many(request: Request, settings: HTTPSettings, body: Any, promp
 
 async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk | None, rid: str, chat: bool,
                   include_usage: bool, started: float, settings: HTTPSettings, logprobs: bool = False,
-                  echo: str | None = None, prompt_ids: list[int] | None = None) -> AsyncIterator[str]:
+                  echo: str | None = None, prompt_ids: list[int] | None = None,
+                  calls: ToolCallStream | None = None) -> AsyncIterator[str]:
     engine: Engine = request.app.state.engine
     app_metrics: EngineMetrics = request.app.state.metrics
     created = int(time.time())
@@ -433,17 +436,28 @@ async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk |
             text_offset = len(echo)
         while chunk is not None:
             usage = chunk.usage or usage
+            finish = chunk.finish_reason
+            deltas: list[dict[str, Any]] = []
+            if calls is not None:  # tools: content and tool-call deltas; the finish reason comes with the last
+                deltas = calls.feed(chunk.text) + (calls.finish() if finish is not None else [])
+                if finish is not None and calls.num_calls:
+                    finish = "tool_calls"
+            elif chat:
+                deltas = [{"content": chunk.text}] if chunk.text else []
             if chat:
-                choice: dict[str, Any] = {"index": 0, "delta": {"content": chunk.text} if chunk.text else {},
-                                          "finish_reason": chunk.finish_reason}
+                deltas = deltas or [{}]
+                choices: list[dict[str, Any]] = [{"index": 0, "delta": delta, "finish_reason": None}
+                                                 for delta in deltas]
+                choices[-1]["finish_reason"] = finish
             else:
-                choice = {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason, "logprobs": None}
+                choices = [{"index": 0, "text": chunk.text, "finish_reason": finish, "logprobs": None}]
             if logprobs and chunk.logprobs:
-                choice["logprobs"] = logprobs_body(chunk.logprobs, chat=chat, tokenizer=tokenizer,
-                                                   text_offset=text_offset)
+                choices[0]["logprobs"] = logprobs_body(chunk.logprobs, chat=chat, tokenizer=tokenizer,
+                                                       text_offset=text_offset)
                 text_offset += len(chunk.text)
-            yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name,
-                        "choices": [choice]})
+            for choice in choices:
+                yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name,
+                            "choices": [choice]})
             chunk = await anext(stream, None)
     except TokenflowError as exc:  # after the first event the status is sent: the error goes in the stream
         yield _sse(error_body(exc)[1])

@@ -18,8 +18,9 @@ from typing import Any
 from tokenflow.errors import InvalidRequest
 from tokenflow.params import ToolCall
 
-__all__ = ("check_tools", "content_besides_calls", "parse_tool_calls", "tool_schema")
+__all__ = ("ToolCallStream", "check_tools", "content_besides_calls", "parse_tool_calls", "tool_schema")
 
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function-name rule
 
@@ -111,3 +112,101 @@ def content_besides_calls(text: str) -> str | None:
     if "<tool_call>" not in text:
         return None
     return _CALL.sub("", text).strip() or None
+
+
+class ToolCallStream:
+    """A streamed reply's text deltas as OpenAI's streaming deltas: `{"content": ...}` and `{"tool_calls":
+    [...]}`. A named call streams its arguments as they are written; a required call is sent whole when
+    the reply ends; with "auto", content streams until a `<tool_call>` opens (text that may start the tag
+    is held back), and each call is sent whole when its tag closes (a call that does not parse stays
+    content). Whitespace at the end of the content is held until more content follows, so a reply with
+    calls ends its content as the unstreamed reply does."""
+
+    def __init__(self, tools: list[dict[str, Any]], choice: str | dict[str, Any]) -> None:
+        self.tools = tools
+        self.choice = choice
+        self.names = {t["function"]["name"] for t in tools}
+        self.num_calls = 0
+        self._held = ""  # text not sent yet: a possible tag start, a call being written, or a required call
+        self._inside = False
+        self._space = ""  # trailing whitespace of the content so far, sent once more content follows
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The deltas `text` completes."""
+        if isinstance(self.choice, dict):
+            return [self._named(text)] if text or not self.num_calls else []
+        if self.choice == "required":
+            self._held += text
+            return []
+        if self.choice == "none":
+            return [{"content": text}] if text else []
+        self._held += text
+        out: list[dict[str, Any]] = []
+        while True:
+            if self._inside:
+                end = self._held.find(_CLOSE)
+                if end < 0:
+                    return out
+                body, self._held = self._held[:end], self._held[end + len(_CLOSE):]
+                self._inside = False
+                out.extend(self._auto_call(body))
+                continue
+            start = self._held.find(_OPEN)
+            if start >= 0:
+                before, self._held = self._held[:start], self._held[start + len(_OPEN):]
+                self._inside = True
+            else:
+                keep = _partial_tag(self._held)
+                before, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+            if before:
+                out.extend(self._content(before))
+            if start < 0:
+                return out
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The deltas of what is still held when the reply ends."""
+        held, self._held = self._held, ""
+        if isinstance(self.choice, dict):
+            return [self._named("")] if not self.num_calls else []
+        if self.choice == "required":
+            content, calls = parse_tool_calls(held, self.tools, self.choice)
+            if calls:
+                return [self._call_delta(calls[0])]
+            return [{"content": content}] if content else []
+        if self._inside:  # an unclosed call (cut short): its text is content
+            self._inside = False
+            held = _OPEN + held
+        out = self._content(held) if held else []
+        if self._space and not self.num_calls:  # a reply with calls has no trailing whitespace (as unstreamed)
+            out.append({"content": self._space})
+        self._space = ""
+        return out
+
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        """Content deltas of `text`; trailing whitespace waits for more content (see `finish`)."""
+        body = text.rstrip()
+        space, self._space = self._space, self._space + text[len(body):] if not body else text[len(body):]
+        return [{"content": space + body}] if body else []
+
+    def _named(self, text: str) -> dict[str, Any]:
+        if self.num_calls:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        assert isinstance(self.choice, dict)
+        return self._call_delta(_call(self.choice["function"]["name"], text))
+
+    def _auto_call(self, body: str) -> list[dict[str, Any]]:
+        _, calls = parse_tool_calls(_OPEN + body + _CLOSE, self.tools, "auto")
+        return [self._call_delta(calls[0])] if calls else self._content(_OPEN + body + _CLOSE)
+
+    def _call_delta(self, call: ToolCall) -> dict[str, Any]:
+        index, self.num_calls = self.num_calls, self.num_calls + 1
+        return {"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": call.arguments}}]}
+
+
+def _partial_tag(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of the opening tag."""
+    for size in range(min(len(text), len(_OPEN) - 1), 0, -1):
+        if _OPEN.startswith(text[-size:]):
+            return size
+    return 0
