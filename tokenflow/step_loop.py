@@ -98,6 +98,8 @@ class StepLoop:
         self.num_aborted = 0
         self.num_failed = 0
         self.num_oom_recoveries = 0
+        self.num_oom_failures = 0  # requests that ran out of memory even alone
+        self._oom_streak = False  # shrunk for an OOM, no step has run since
         self.num_masked_resamples = 0  # constrained tokens drawn again under their mask (the grammar refused one)
         self.last_step_ms = 0.0
         self.last_forward_ms = 0.0
@@ -181,10 +183,11 @@ class StepLoop:
             shrink = getattr(scheduler, "shrink", None)
             if shrink is not None and shrink(plan):
                 self.num_oom_recoveries += 1
+                self._oom_streak = True
                 log.warning("out of memory in a step of %d tokens; shrinking the batch: %s", plan.num_tokens, exc)
                 return
             self._notify_step(time.perf_counter() - started, False)
-            self._step_failed([c.request for c in plan.chunks], exc)
+            self._out_of_memory_alone(plan, exc)
             return
         except Exception as exc:
             self._notify_step(time.perf_counter() - started, False)
@@ -193,6 +196,9 @@ class StepLoop:
         self._notify_step(time.perf_counter() - started, True)
         self._failures = 0
         self.num_steps += 1
+        if self._oom_streak:
+            self._oom_streak = False
+            getattr(scheduler, "oom_recovered", lambda: None)()
         for request, first, entries in output.prompt_logprobs:  # positions not yet scored (a recompute repeats them)
             have = len(request.prompt_logprobs)
             request.prompt_logprobs.extend(entries[max(0, have - 1 - first):])
@@ -358,6 +364,22 @@ class StepLoop:
             except Exception:  # an observer's bug must not stop the loop (or skip the other observers)
                 log.exception("observer %r failed in on_step", observer)
 
+    def _out_of_memory_alone(self, plan: StepPlan, exc: torch.OutOfMemoryError) -> None:
+        """The step ran out of memory with nothing left to shrink: its request cannot run even alone. It
+        fails with an EngineError saying so; this is its size, not an engine fault, so it does not count
+        towards the engine's death, and the limits shrunk for it come back."""
+        self.num_oom_failures += 1
+        self._oom_streak = False
+        for chunk in plan.chunks:
+            request = chunk.request
+            error = EngineError(f"out of memory running request {request.request_id} alone "
+                                f"({request.num_tokens} tokens, {plan.num_tokens} in its step); lower its prompt "
+                                f"or max_tokens, or give the device more memory: {exc}")
+            error.__cause__ = exc
+            log.error("%s", error)
+            self._fail(request, error)
+        getattr(self.scheduler, "oom_gave_up", lambda: None)()
+
     def _step_failed(self, requests: list[Request], exc: Exception, what: str = "the model step") -> None:
         self._failures += 1
         log.error("%s failed (%d in a row): %r", what, self._failures, exc)
@@ -398,6 +420,7 @@ class StepLoop:
             "num_aborted": self.num_aborted,
             "num_failed": self.num_failed,
             "num_oom_recoveries": self.num_oom_recoveries,
+            "num_oom_failures": self.num_oom_failures,
             "num_masked_resamples": self.num_masked_resamples,
             "step_time_ms": round(self.last_step_ms, 2),
             "forward_time_ms": round(self.last_forward_ms, 2),

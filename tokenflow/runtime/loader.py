@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,19 @@ class LoadedModel:
     vocab_size: int
 
 
+def weight_bytes(path: Path, dtype: torch.dtype) -> int:
+    """Bytes the checkpoint's tensors take in `dtype`, read from the safetensors headers (0 when it has none)."""
+    from safetensors import safe_open
+
+    size = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                total += math.prod(f.get_slice(name).get_shape()) * size
+    return total
+
+
 def load_model(path: Path, config: EngineConfig) -> LoadedModel:
     """Blocking: run in a worker thread."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,6 +84,12 @@ def load_model(path: Path, config: EngineConfig) -> LoadedModel:
         # never sit in host RAM first; one code path for every device
         with quiet_transformers(not on_terminal()):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": str(device)})
+    except torch.OutOfMemoryError as exc:
+        needed, name = weight_bytes(path, dtype) / 2**30, str(dtype).removeprefix("torch.")
+        raise ModelLoadError(
+            f"out of memory loading the weights of {path} ({needed:.2f} GiB in {name} on {device}): pick a "
+            f"smaller dtype (bfloat16 or float16), a smaller model, or another device; {exc}"
+        ) from exc
     except Exception as exc:
         raise ModelLoadError(f"could not load the model from {path}: {exc}") from exc
     if not getattr(tokenizer, "is_fast", False):

@@ -73,6 +73,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         self.max_batch_tokens = config.max_batch_tokens
         self.max_num_seqs = config.max_num_seqs  # hard limit; lowered for good after a device OOM
+        self._limits_before_oom: tuple[int, int] | None = None  # (seqs, tokens) when an OOM streak began
         self.seq_limit = config.max_num_seqs  # adaptive: drops to what fits after a preemption, regrows
         self.aging_s = config.priority_aging_s
         self.window = config.attention_policy.window  # sliding: blocks behind it are freed
@@ -262,8 +263,11 @@ class Scheduler:
         """Make the next step smaller after the device ran out of memory on `plan`.
 
         Preempts the worse-placed half of the plan's requests (they recompute later); a plan of
-        one chunk halves the token budget instead. Returns False when nothing can shrink.
+        one chunk halves the token budget instead. Returns False when nothing can shrink: that
+        request cannot run even alone (see `oom_gave_up`).
         """
+        if self._limits_before_oom is None:
+            self._limits_before_oom = (self.max_num_seqs, self.max_batch_tokens)
         requests = [c.request for c in plan.chunks if c.request.status is RequestStatus.RUNNING]
         if len(requests) > 1:
             keep = len(requests) // 2
@@ -276,6 +280,17 @@ class Scheduler:
             self.max_batch_tokens = max(self.max_batch_tokens // 2, floor)
             return True
         return False
+
+    def oom_recovered(self) -> None:
+        """A step ran after out-of-memory shrinking: the smaller limits are what the device fits."""
+        self._limits_before_oom = None
+
+    def oom_gave_up(self) -> None:
+        """The request that ran out of memory alone has failed: it, not the batch, was too big, so the
+        limits the shrinking took away for it come back."""
+        if self._limits_before_oom is not None:
+            self.max_num_seqs, self.max_batch_tokens = self._limits_before_oom
+            self._limits_before_oom = None
 
     # -- after a step ------------------------------------------------------
     def update_from_output(self, plan: StepPlan, output: StepOutput, sink: TokenSink) -> StepResult:

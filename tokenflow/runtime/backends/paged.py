@@ -17,6 +17,7 @@ import torch
 
 from tokenflow import registry
 from tokenflow.config import EngineConfig
+from tokenflow.errors import ModelLoadError
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.protocols import EngineContext, StepPlan
 from tokenflow.runtime.compiled import compile_mlps, decode_buckets, padded_size
@@ -74,11 +75,18 @@ class PagedBackend:
         layers, kv_heads, head_dim = KVCache.geometry(model.config)
         # With `compile`, one extra block past the pool's ids takes the K/V of padding rows.
         extra = 1 if self.config.compile else 0
-        kv_cache = KVCache(
-            num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_blocks=num_blocks + extra,
-            block_size=self.config.block_size, dtype=dtype, device=device,
-            track_key_bounds=attention.topk_budget is not None,
-        )
+        try:
+            kv_cache = KVCache(
+                num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_blocks=num_blocks + extra,
+                block_size=self.config.block_size, dtype=dtype, device=device,
+                track_key_bounds=attention.topk_budget is not None,
+            )
+        except torch.OutOfMemoryError as exc:
+            raise ModelLoadError(
+                f"out of memory allocating the KV cache: {num_blocks + extra} blocks of {per_block} bytes "
+                f"({per_block * (num_blocks + extra) / 2**30:.2f} GiB) on {device}; lower num_kv_blocks, "
+                f"kv_cache_bytes or kv_cache_memory_fraction (or max_model_len x max_num_seqs, which cap it): {exc}"
+            ) from exc
         self.kv_bytes = per_block * (num_blocks + extra)
         self.pool = registry.load_pool(
             self.config.kv_pool, self.config, num_blocks=num_blocks, block_size=self.config.block_size,
