@@ -3,7 +3,7 @@
 #
 #   scripts/install.sh         the slim core: enough for `tokenflow generate` and the Python API; no sudo
 #   scripts/install.sh --dev   the core, the test extras, the three plugins under plugins/, and the
-#                              services the tests use (redis-server, from apt when missing)
+#                              programs the tests use (redis-server and chromium, from apt when missing)
 #
 # On a machine without an NVIDIA GPU it installs the CPU build of torch 2.13
 # (set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI's
@@ -31,10 +31,14 @@ else
     # The plugins are installed from their folders in the same command, so `tokenflow-engine[...]`
     # and the plugins' own `tokenflow-engine` requirement resolve to this checkout, not to PyPI.
     "${PIP[@]}" -e ".[dev]" -e plugins/tokenflow-redact -e plugins/tokenflow-redis -e plugins/tokenflow-ray
-    if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    # redis-server for the shared-tier tests, chromium for the dashboard test (Playwright drives it)
+    MISSING=()
+    command -v redis-server >/dev/null 2>&1 || MISSING+=(redis-server)
+    command -v chromium >/dev/null 2>&1 || MISSING+=(chromium)
+    if [ ${#MISSING[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
         SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
-        $SUDO apt-get install -y -qq redis-server >/dev/null 2>&1 \
-            || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null; }
+        $SUDO apt-get install -y -qq "${MISSING[@]}" >/dev/null 2>&1 \
+            || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${MISSING[@]}" >/dev/null; }
     fi
 fi
 .venv/bin/python - "$MODE" <<'PY'

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -121,6 +122,7 @@ class Request:
     pinned_blocks: list[int] = field(default_factory=list)
     num_trimmed_blocks: int = 0  # sliding attention: leading table entries already freed (-1)
     num_preemptions: int = 0
+    created_at: float = field(default_factory=time.monotonic)  # on the same clock as first_token_time
     first_token_time: float | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -7,7 +7,8 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or
 server-sent events with `stream: true`, usage in the last event when
 `stream_options.include_usage`), `POST /tokenize`, `POST /detokenize` (vLLM's
 bodies), `GET /v1/models`, `GET /health` (200 once the
-model is loaded; never behind the key), `GET /metrics` (Prometheus).
+model is loaded; never behind the key), `GET /metrics` (Prometheus), `GET /dashboard` (a live page
+over `GET /v1/engine/stats`, see `dashboard.py`; a browser may send the key as a Basic-auth password).
 
 Everything a caller sends is untrusted (`HTTPSettings`): with an `api_key`
 every route but `/health` wants `Authorization: Bearer <key>` (401
@@ -27,6 +28,7 @@ Errors are OpenAI-style JSON bodies: 400 `InvalidRequest`, 401, 413, 429
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hmac
 import inspect
@@ -53,6 +55,7 @@ from starlette.types import Receive, Scope, Send
 from tokenflow.engine import Engine
 from tokenflow.errors import DeadlineExceeded, EngineClosed, EngineError, InvalidRequest, Overloaded, TokenflowError
 from tokenflow.params import Chunk, Completion, TokenLogprob, Usage
+from tokenflow.serve.dashboard import DashboardFeed, dashboard_html
 from tokenflow.serve.metrics import EngineMetrics
 from tokenflow.serve.openai_protocol import (
     PASSTHROUGH,
@@ -123,6 +126,8 @@ def engine_lifespan(
         app.state.metrics = EngineMetrics(current)
         app.state.http_settings = http if http is not None else HTTPSettings.from_env()
         current.add_observer(app.state.metrics)
+        app.state.dashboard = DashboardFeed()
+        current.add_observer(app.state.dashboard)
         try:
             yield
         finally:
@@ -143,6 +148,8 @@ def openai_routes() -> list[Route]:
         Route("/detokenize", _guarded(detokenize), methods=["POST"]),
         Route("/health", _guarded(health, auth=False), methods=["GET"]),
         Route("/metrics", _guarded(metrics), methods=["GET"]),
+        Route("/dashboard", _guarded(dashboard, basic=True), methods=["GET"]),
+        Route("/v1/engine/stats", _guarded(engine_stats, basic=True), methods=["GET"]),
     ]
 
 
@@ -170,18 +177,21 @@ class _TooLarge(Exception):
     """The body passed `max_request_bytes`."""
 
 
-def _guarded(endpoint: Callable[..., Awaitable[Response]], *, auth: bool = True) -> Callable[[Request], Any]:
-    """Auth, then the endpoint, with every failure turned into an OpenAI error body (never a bare 500)."""
+def _guarded(endpoint: Callable[..., Awaitable[Response]], *, auth: bool = True, basic: bool = False
+             ) -> Callable[[Request], Any]:
+    """Auth, then the endpoint, with every failure turned into an OpenAI error body (never a bare 500).
+    `basic`: a browser's page, whose 401 asks for the key as a Basic-auth password (any user name)."""
 
     async def run(request: Request) -> Response:
         settings: HTTPSettings = getattr(request.app.state, "http_settings", None) or HTTPSettings.from_env()
         if auth and not _authorized(request, settings.api_key):
             return _json_error(401, "a valid API key is needed: send `Authorization: Bearer <key>`",
                                "invalid_request_error", code="invalid_api_key",
-                               headers={"WWW-Authenticate": "Bearer"})
+                               headers={"WWW-Authenticate": 'Basic realm="tokenflow"' if basic else "Bearer"})
         try:
             return await endpoint(request, settings)
         except TokenflowError as exc:
+            _report(request, exc)
             return _error(exc)
         except _TooLarge:
             return _json_error(413, f"the request body is larger than {settings.max_request_bytes} bytes",
@@ -194,10 +204,26 @@ def _guarded(endpoint: Callable[..., Awaitable[Response]], *, auth: bool = True)
 
 
 def _authorized(request: Request, api_key: str | None) -> bool:
+    """`Authorization: Bearer <key>`, or Basic auth with the key as password (what a browser sends)."""
     if api_key is None:
         return True
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
+    scheme, given = scheme.lower(), given.strip()
+    if scheme == "basic":
+        try:
+            given = base64.b64decode(given, validate=True).decode().partition(":")[2]
+        except (ValueError, UnicodeDecodeError):
+            return False
+    elif scheme != "bearer":
+        return False
+    return hmac.compare_digest(given.encode(), api_key.encode())
+
+
+def _report(request: Request, error: BaseException) -> None:
+    """Tell the dashboard which error a caller got."""
+    feed = getattr(request.app.state, "dashboard", None)
+    if feed is not None:
+        feed.record_error(error)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -311,6 +337,21 @@ def _unknown_model(model: str | None, engine: Engine) -> Response | None:
         return None
     return _json_error(404, f"The model `{model}` does not exist; this server serves `{engine.model_name}`.",
                        "invalid_request_error", code="model_not_found", param="model")
+
+
+async def dashboard(request: Request, settings: HTTPSettings) -> Response:
+    return Response(dashboard_html(), media_type="text/html; charset=utf-8",
+                    headers={"Cache-Control": "no-store", "Content-Security-Policy": _DASHBOARD_CSP})
+
+
+async def engine_stats(request: Request, settings: HTTPSettings) -> Response:
+    engine: Engine = request.app.state.engine
+    return JSONResponse(request.app.state.dashboard.snapshot(engine.stats()), headers={"Cache-Control": "no-store"})
+
+
+# The page loads nothing from elsewhere and talks only to this server.
+_DASHBOARD_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                  "connect-src 'self'; img-src 'self' data:")
 
 
 async def metrics(request: Request, settings: HTTPSettings) -> Response:
@@ -460,6 +501,7 @@ async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk |
                             "choices": [choice]})
             chunk = await anext(stream, None)
     except TokenflowError as exc:  # after the first event the status is sent: the error goes in the stream
+        _report(request, exc)
         yield _sse(error_body(exc)[1])
     except Exception as exc:
         log.exception("stream %s failed", rid)

@@ -77,6 +77,7 @@ class BreakerStage:
         self.state = CLOSED
         self.opened_at = 0.0
         self.trip_reason = ""
+        self.history: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=32)  # (wall, state, why)
         self._outcomes: collections.deque[bool] = collections.deque(maxlen=self.window)  # True = failed
         self._num_failed = 0
         self._steps: collections.deque[float] = collections.deque(maxlen=self.window)
@@ -227,6 +228,7 @@ class BreakerStage:
     def _refresh(self, now: float) -> None:
         if self.state == OPEN and now >= self.opened_at + self.open_s:
             self.state = HALF_OPEN
+            self.history.append((time.time(), HALF_OPEN, "open period over: probing"))
             self._probes.clear()
             self._probe_successes = 0
             self._reset_windows()  # probes are judged on fresh steps only
@@ -236,11 +238,13 @@ class BreakerStage:
         self.opened_at = self._clock()
         self.trip_reason = reason
         self.breaker_trips += 1
+        self.history.append((time.time(), OPEN, reason))
         self._probes.clear()
         log.warning("circuit breaker open for %.1f s: %s", self.open_s, reason)
 
     def _close(self) -> None:
         self.state = CLOSED
+        self.history.append((time.time(), CLOSED, f"{self._probe_successes} probe requests succeeded"))
         self._probes.clear()
         self._reset_windows()
         log.warning("circuit breaker closed: %d probe requests succeeded", self._probe_successes)
@@ -273,6 +277,7 @@ class BreakerStage:
             "queue_rejections": self.queue_rejections,
             "breaker_error_rate": round(self._num_failed / n, 3) if n else 0.0,
             "breaker_step_p95_ms": round(p95, 2) if p95 is not None else None,
+            "breaker_history": [list(entry) for entry in self.history],
         }
 
 
