@@ -272,6 +272,8 @@ _BENCHES = {
                         "attention policies: perplexity, step time, KV memory"),
     "bench-dashboard": ("tokenflow.benchmarks.dashboard", "run_bench_dashboard",
                         "the cost of scraping the dashboard once a second under load"),
+    "bench-plot": ("tokenflow.benchmarks.plots", "run_bench_plot",
+                   "draw a saved benchmark JSON (bench, bench-prefix, bench-attention) into a PNG"),
 }
 
 

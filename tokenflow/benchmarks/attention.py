@@ -133,6 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", default="/usr/share/common-licenses/GPL-3", help="a long English text file")
     p.add_argument("--max-text-tokens", type=int, default=8192)
     p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--plot", default=None, help="draw the results into this PNG (needs matplotlib)")
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,4 +181,8 @@ def run_bench_attention(args: argparse.Namespace) -> dict[str, Any]:
     _print(results["kv_blocks"])
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
+    if args.plot:
+        from tokenflow.benchmarks.plots import plot_attention
+
+        plot_attention(results, args.plot)
     return results

@@ -134,6 +134,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-blocks", type=int, default=320, help="KV pool size for the hit-rate run")
     p.add_argument("--prefix-tokens", type=int, default=1500, help="cached prefix length in the TTFT table")
     p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--plot", default=None, help="draw the results into this PNG (needs matplotlib)")
 
 
 def _print(rows: list[dict[str, Any]], cols: list[str]) -> None:
@@ -171,4 +172,8 @@ def run_bench_prefix(args: argparse.Namespace) -> dict[str, Any]:
     _print(results["ttft"], ["case", "ttft_ms", "cached_tokens", "note"])
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
+    if args.plot:
+        from tokenflow.benchmarks.plots import plot_prefix
+
+        plot_prefix(results, args.plot)
     return results

@@ -239,6 +239,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settings", default=None, help="JSON of extra tokenflow engine settings")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--json", dest="json_out", default=None, help="write the results to this file")
+    p.add_argument("--plot", default=None, help="draw the results into this PNG (needs matplotlib)")
     p.add_argument("--worker", dest="engine", default=None, help=argparse.SUPPRESS)
     p.add_argument("--workload-file", default=None, help=argparse.SUPPRESS)
 
@@ -370,6 +371,11 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         meta = {"started": started, "host_cpu": _cpu_name(), "cores": os.cpu_count(), "argv": sys.argv[1:]}
         Path(args.json_out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         print(f"wrote {args.json_out}")
+    if args.plot:
+        from tokenflow.benchmarks.plots import plot_throughput
+
+        plot_throughput(results, args.plot, f"tokenflow bench, {_cpu_name()} x{os.cpu_count()}, {started}")
+        print(f"wrote {args.plot}")
     return results
 
 
