@@ -111,7 +111,9 @@ async def kv_blocks_by_length(lengths: list[int]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as folder:
         model = build_tiny_model(Path(folder) / "tiny-8k", max_position_embeddings=8192)
         for name, window in (("dense", None), ("sliding W=1024", 1024)):
-            settings: dict[str, Any] = {"num_kv_blocks": 1024, "max_model_len": 16384 if window else 8192}
+            # dense stops at the context (clamped), sliding runs past it
+            settings: dict[str, Any] = {"num_kv_blocks": 1024, "max_model_len": 16384 if window else 8192,
+                                        "clamp_max_tokens": True}
             if window:
                 settings.update(attention="sliding", window=window, sink_tokens=4)
             row: dict[str, Any] = {"policy": name}
