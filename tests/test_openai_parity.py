@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -122,9 +123,34 @@ def test_n_choices_share_one_prefill(client: openai.OpenAI, server: Server) -> N
     chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], n=2,
                                           max_tokens=4, temperature=1.0)
     assert [c.index for c in chat.choices] == [0, 1]
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="tiny-llama", prompt="x", n=2, stream=True, max_tokens=2)
-    assert info.value.body["param"] == "n"
+
+
+def test_streamed_choices_equal_the_whole_response(client: openai.OpenAI) -> None:
+    """`n` and a batch of prompts, streamed: each choice's deltas (interleaved, tagged by index) join into
+    the whole response's choice, with its logprobs; usage counts each prompt once."""
+    kwargs = dict(model="tiny-llama", prompt=["the river and the mountain " * 6, "a lantern"], n=2, max_tokens=8,
+                  temperature=1.0, seed=3, logprobs=1, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    finished: dict[int, str] = {}
+    usage = None
+    for event in client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        usage = event.usage or usage
+        for choice in event.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens if choice.logprobs else [])
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert sorted(texts) == [0, 1, 2, 3] and finished == dict.fromkeys(range(4), "length")
+    for choice in whole.choices:
+        assert texts[choice.index] == choice.text and tokens[choice.index] == choice.logprobs.tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens and usage.completion_tokens == 32
+    events = list(client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
+                                                 n=3, max_tokens=4, temperature=1.0, stream=True))
+    roles = [c.index for e in events for c in e.choices if c.delta.role == "assistant"]
+    assert sorted(roles) == [0, 1, 2]
+    assert sorted(c.index for e in events for c in e.choices if c.finish_reason) == [0, 1, 2]
 
 
 async def test_generate_many_prefills_the_prompt_once(tiny_model) -> None:
@@ -140,6 +166,34 @@ async def test_generate_many_prefills_the_prompt_once(tiny_model) -> None:
         for i, out in enumerate(outs):  # sample i is the request seeded with seed + i
             alone = await engine.generate(prompt, max_tokens=5, temperature=1.0, seed=1 + i, ignore_eos=True)
             assert alone.token_ids == out.token_ids
+
+
+async def test_stream_many_equals_generate_many_and_closing_it_ends_every_sample(tiny_model) -> None:
+    from tokenflow import Engine
+
+    async with Engine(tiny_model, block_size=16, dtype="float32", debug_leaks=True) as engine:
+        prompt = list(range(10, 171))
+        outs = await engine.generate_many(prompt, 3, max_tokens=6, temperature=1.0, seed=4, ignore_eos=True)
+        computed = engine.stats()["prompt_tokens_computed"]
+        streamed: dict[int, list[int]] = {}
+        async for index, chunk in engine.stream_many(prompt, 3, max_tokens=6, temperature=1.0, seed=4,
+                                                     ignore_eos=True, cache_salt="fresh"):
+            streamed.setdefault(index, []).extend(chunk.token_ids)
+        assert [streamed[i] for i in range(3)] == [o.token_ids for o in outs]
+        assert engine.stats()["prompt_tokens_computed"] - computed == 161 + 2  # the prompt computed once
+        stream = engine.stream_many(prompt, 4, max_tokens=500, ignore_eos=True, cache_salt="closed")
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 8:
+                break
+        await stream.aclose()
+        for _ in range(100):
+            if engine.stats()["num_running"] == 0:
+                break
+            await anyio.sleep(0.05)
+        stats = engine.stats()
+        assert stats["num_running"] == stats["num_waiting"] == 0 and stats["num_aborted"] == 4
 
 
 def test_a_batch_of_prompts(client: openai.OpenAI) -> None:

@@ -31,7 +31,7 @@ from tokenflow.output.processor import OutputProcessor, usage_of
 from tokenflow.params import STRUCTURED_FIELDS, Chunk, Completion, SamplingParams, ToolCall
 from tokenflow.progress import steps
 from tokenflow.protocols import EngineContext, NextStage
-from tokenflow.request import Request
+from tokenflow.request import Request, Wakeup
 from tokenflow.runtime.cpu.openmp_team import release_openmp_team
 from tokenflow.runtime.loader import load_model
 from tokenflow.runtime.model_thread import ModelThread
@@ -377,14 +377,99 @@ class Engine:
         """`n` replies to `messages`; see `generate_many` and `chat`."""
         return await self._many(n, params, kwargs, messages=messages, tools=tools, tool_choice=tool_choice)
 
-    async def _many(self, n: int, params: SamplingParams | None, kwargs: dict[str, Any], *, prompt: Any = None,
-                    messages: Any = None, tools: Any = None, tool_choice: Any = None) -> list[Completion]:
+    def stream_many(self, prompt: Prompt, n: int, params: SamplingParams | None = None,
+                    **kwargs: Any) -> AsyncIterator[tuple[int, Chunk]]:
+        """`(sample index, chunk)` of `n` samples of one prompt as they are generated (OpenAI's streamed
+        `n`); each sample's last chunk carries its finish_reason and usage. The prompt is computed about
+        once, as in `generate_many`."""
+        return self.stream_batch([prompt], n, params, **kwargs)
+
+    def stream_chat_many(self, messages: Sequence[dict[str, Any]], n: int, params: SamplingParams | None = None, *,
+                         tools: Sequence[dict[str, Any]] | None = None,
+                         tool_choice: str | dict[str, Any] | None = None, **kwargs: Any
+                         ) -> AsyncIterator[tuple[int, Chunk]]:
+        """`n` replies to `messages`, streamed; see `stream_many` and `stream_chat`."""
+        return self._stream_groups([self._n_requests(n, params, kwargs, messages=messages, tools=tools,
+                                                     tool_choice=tool_choice)])
+
+    def stream_batch(self, prompts: Sequence[Prompt], n: int = 1, params: SamplingParams | None = None,
+                     **kwargs: Any) -> AsyncIterator[tuple[int, Chunk]]:
+        """`(p * n + i, chunk)` for sample `i` of `prompts[p]`, every sample streamed at once (a batch of
+        prompts on /v1/completions)."""
+        if not prompts:
+            raise InvalidRequest("give at least one prompt", field="prompt")
+        return self._stream_groups([self._n_requests(n, params, kwargs, prompt=p) for p in prompts])
+
+    def _n_requests(self, n: int, params: SamplingParams | None, kwargs: dict[str, Any], *, prompt: Any = None,
+                    messages: Any = None, tools: Any = None, tool_choice: Any = None) -> list[Request]:
+        """`n` requests of one prompt; seeded, request `i` uses `seed + i`."""
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.config.max_n:
             raise InvalidRequest(f"n must be an integer in [1, {self.config.max_n}] (max_n), got {n!r}", field="n")
         base = SamplingParams.from_kwargs(params, **kwargs)
-        requests = [self._new_request(base, {} if base.seed is None else {"seed": (base.seed + i) % 2**64},
-                                      prompt=prompt, messages=messages, tools=tools, tool_choice=tool_choice)
-                    for i in range(n)]
+        return [self._new_request(base, {} if base.seed is None else {"seed": (base.seed + i) % 2**64},
+                                  prompt=prompt, messages=messages, tools=tools, tool_choice=tool_choice)
+                for i in range(n)]
+
+    async def _stream_groups(self, groups: list[list[Request]]) -> AsyncIterator[tuple[int, Chunk]]:
+        """Chunks of every request of `groups`, tagged with their place in the flattened list, as they come.
+        A group's first request starts at once, the rest once it has a chunk (its prompt blocks are then in
+        the prefix cache). One reader and no tasks: the requests' collectors wake this generator, so it can
+        be closed from any task. The first error ends the stream and aborts the others."""
+        assert self._chain is not None and self._loop is not None
+        requests = [r for group in groups for r in group]
+        leaders = {sum(len(g) for g in groups[:k]): len(group) for k, group in enumerate(groups)}
+        wakeup = Wakeup()
+        for request in requests:
+            request.collector.wakeup = wakeup
+        started: set[int] = set()
+        finished: set[int] = set()
+
+        async def start(index: int) -> None:
+            started.add(index)
+            with anyio.fail_after(_remaining(requests[index])):
+                await self._chain(requests[index])
+
+        try:
+            for leader in leaders:
+                await start(leader)
+            while len(finished) < len(requests):
+                ready = []
+                for index in sorted(started - finished):
+                    chunk = requests[index].collector.take()
+                    if chunk is not None:
+                        ready.append((index, chunk))
+                for index, chunk in ready:
+                    if chunk.finish_reason is not None:
+                        finished.add(index)
+                    yield index, chunk
+                    for follower in range(index + 1, index + leaders.get(index, 1)):
+                        if follower not in started:
+                            await start(follower)
+                if not ready:
+                    with anyio.fail_after(min((t for r in requests if (t := _remaining(r)) is not None),
+                                              default=None)):
+                        await wakeup.wait()
+        except TimeoutError:
+            for request in requests:
+                self._loop.abort(request, "deadline")
+            raise DeadlineExceeded("a streamed choice passed its deadline") from None
+        except TokenflowError:
+            for request in requests:
+                self._loop.abort(request, "rejected")
+            raise
+        except Exception as exc:  # a stage's bug: these requests fail, with a typed error
+            log.exception("the request path failed for a stream of %d choices", len(requests))
+            for request in requests:
+                self._loop.abort(request, "failed")
+            raise EngineError(f"the request path failed: {exc!r}") from exc
+        finally:  # closed early (the client left) or cancelled: nothing keeps running for nobody
+            for request in requests:
+                self._loop.abort(request)
+
+    async def _many(self, n: int, params: SamplingParams | None, kwargs: dict[str, Any], *, prompt: Any = None,
+                    messages: Any = None, tools: Any = None, tool_choice: Any = None) -> list[Completion]:
+        requests = self._n_requests(n, params, kwargs, prompt=prompt, messages=messages, tools=tools,
+                                    tool_choice=tool_choice)
         results: list[Completion | BaseException | None] = [None] * n
         prefilled = anyio.Event()
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from tokenflow.output.detokenizer import IncrementalDetokenizer
     from tokenflow.output.stops import StopStringMatcher
 
-__all__ = ("OutputCollector", "Request", "RequestSlot", "RequestStatus")
+__all__ = ("OutputCollector", "Request", "RequestSlot", "RequestStatus", "Wakeup")
 
 T = TypeVar("T")
 
@@ -49,6 +49,7 @@ class OutputCollector:
         self._replay: list[Chunk] = []
         self._error: BaseException | None = None
         self._ready = anyio.Event()
+        self.wakeup: Wakeup | None = None  # also told of every chunk: one reader of several requests' collectors
 
     def put(self, chunk: Chunk) -> None:
         if self._pending is None:
@@ -62,30 +63,54 @@ class OutputCollector:
             merged.finish_reason = chunk.finish_reason
             merged.stop_reason = chunk.stop_reason
             merged.usage = chunk.usage
-        self._ready.set()
+        self._signal()
 
     def fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
-        self._ready.set()
+        self._signal()
 
     def preload(self, chunks: Sequence[Chunk]) -> None:
         """Queue finished chunks to be handed out one by one (a replayed response)."""
         self._replay = list(chunks)
+        self._signal()
+
+    def _signal(self) -> None:
         self._ready.set()
+        if self.wakeup is not None:
+            self.wakeup.set()
+
+    def take(self) -> Chunk | None:
+        """The next chunk if one is here (merged if several arrived), else None; raises the request's error."""
+        if self._replay:
+            return self._replay.pop(0)
+        if self._pending is not None:
+            chunk, self._pending = self._pending, None
+            return chunk
+        if self._error is not None:
+            raise self._error
+        return None
 
     async def get(self) -> Chunk:
         """Next chunk (merged if several arrived); raises the request's error."""
-        while True:
-            if self._replay:
-                return self._replay.pop(0)
-            if self._pending is not None:
-                chunk, self._pending = self._pending, None
-                return chunk
-            if self._error is not None:
-                raise self._error
+        while (chunk := self.take()) is None:
             await self._ready.wait()
             self._ready = anyio.Event()
+        return chunk
+
+
+class Wakeup:
+    """A reusable event: set by any of several collectors, waited for by their one reader."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event = anyio.Event()
 
 
 @dataclass(eq=False)

@@ -364,31 +364,14 @@ async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Res
     if (unknown := _unknown_model(body.model, engine)) is not None:
         return unknown
     prompts = prompts_of(body)
+    if body.stream:
+        return await _serve_stream(request, settings, body, prompts, chat=chat)
     if len(prompts) > 1 or body.n > 1:
         return await _serve_many(request, settings, body, prompts, chat=chat)
     prompt, kwargs = to_engine_kwargs(body)
     kwargs = await _apply_policy(request, kwargs, settings)
     rid = response_id(chat)
     started = time.perf_counter()
-    if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        stream = engine.stream_chat(prompt, **kwargs) if chat else engine.stream(prompt, **kwargs)
-        try:  # errors before the first token still get a status code
-            first = await _unless_disconnected(request, partial(anext, stream, None))
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()  # type: ignore[attr-defined]
-            raise
-        if first is _DISCONNECTED:
-            await stream.aclose()  # type: ignore[attr-defined]
-            return Response(status_code=499)  # nobody reads it; the request is aborted
-        request.app.state.metrics.ttft.observe(time.perf_counter() - started)
-        echo = _echo_texts(body, [prompt], engine.loaded.tokenizer)
-        calls = ToolCallStream(kwargs["tools"], kwargs.get("tool_choice") or "auto") if kwargs.get("tools") else None
-        return _EventStream(_events(request, stream, first, rid, chat, include_usage, started, settings,
-                                    logprobs=kwargs.get("logprobs") is not None, echo=echo[0] if echo else None,
-                                    prompt_ids=prompt if isinstance(prompt, list) and not chat else None,
-                                    calls=calls))
     call = engine.chat(prompt, **kwargs) if chat else engine.generate(prompt, **kwargs)
     done = await _unless_disconnected(request, lambda: call)
     if done is _DISCONNECTED:
@@ -399,6 +382,50 @@ async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Res
         tokenizer=engine.loaded.tokenizer, report_cached_tokens=settings.report_cached_tokens,
         echo=_echo_texts(body, [prompt], engine.loaded.tokenizer),
     ))
+
+
+async def _serve_stream(request: Request, settings: HTTPSettings, body: Any, prompts: list[Any], *,
+                        chat: bool) -> Response:
+    """Server-sent events of every choice (`n` per prompt, choice `p * n + i` being sample `i` of prompt
+    `p`), interleaved as they are generated; an error before the first token still gets its status code."""
+    engine: Engine = request.app.state.engine
+    kwargs = await _apply_policy(request, engine_kwargs(body), settings)
+    n = body.n
+    started = time.perf_counter()
+    if len(prompts) == 1 and n == 1:
+        one = engine.stream_chat(prompts[0], **kwargs) if chat else engine.stream(prompts[0], **kwargs)
+        items = _indexed(one)
+    elif chat:
+        items = engine.stream_chat_many(prompts[0], n, **kwargs)
+    else:
+        items = engine.stream_batch(prompts, n, **kwargs)
+    try:
+        first = await _unless_disconnected(request, partial(anext, items, None))
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await items.aclose()  # type: ignore[attr-defined]
+        raise
+    if first is _DISCONNECTED:
+        await items.aclose()  # type: ignore[attr-defined]
+        return Response(status_code=499)  # nobody reads it; the requests are aborted
+    request.app.state.metrics.ttft.observe(time.perf_counter() - started)
+    choices = [p for p in prompts for _ in range(n)]
+    tools, tool_choice = kwargs.get("tools"), kwargs.get("tool_choice") or "auto"
+    return _EventStream(_events(
+        request, items, first, response_id(chat), chat, body.stream_options is not None
+        and body.stream_options.include_usage, started, settings, n=n,
+        logprobs=kwargs.get("logprobs") is not None, echo=_echo_texts(body, choices, engine.loaded.tokenizer),
+        prompt_ids=[p if isinstance(p, list) and not chat else None for p in choices],
+        calls=[ToolCallStream(tools, tool_choice) for _ in choices] if tools else None))
+
+
+async def _indexed(stream: AsyncIterator[Chunk]) -> AsyncIterator[tuple[int, Chunk]]:
+    """One request's chunks as choice 0's."""
+    try:
+        async for chunk in stream:
+            yield 0, chunk
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
 
 
 async def _apply_policy(request: Request, kwargs: dict[str, Any], settings: HTTPSettings) -> dict[str, Any]:
@@ -451,55 +478,66 @@ async def _serve_many(request: Request, settings: HTTPSettings, body: Any, promp
         echo=_echo_texts(body, [p for p in prompts for _ in range(n)], engine.loaded.tokenizer)))
 
 
-async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk | None, rid: str, chat: bool,
-                  include_usage: bool, started: float, settings: HTTPSettings, logprobs: bool = False,
-                  echo: str | None = None, prompt_ids: list[int] | None = None,
-                  calls: ToolCallStream | None = None) -> AsyncIterator[str]:
+async def _events(request: Request, items: AsyncIterator[tuple[int, Chunk]], first: tuple[int, Chunk] | None,
+                  rid: str, chat: bool, include_usage: bool, started: float, settings: HTTPSettings, *, n: int = 1,
+                  logprobs: bool = False, echo: list[str] | None = None,
+                  prompt_ids: list[list[int] | None] | None = None,
+                  calls: list[ToolCallStream] | None = None) -> AsyncIterator[str]:
+    """The SSE events of `(choice index, chunk)` items: per choice, chat's role delta (or the echoed prompt)
+    first, then its deltas; usage (each prompt counted once) after the last."""
     engine: Engine = request.app.state.engine
     app_metrics: EngineMetrics = request.app.state.metrics
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
-    usage = None
+    tokenizer = engine.loaded.tokenizer
+    usages: dict[int, Usage] = {}
+    text_offset: dict[int, int] = {}
+
+    def event(choice: dict[str, Any]) -> str:
+        return _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name, "choices": [choice]})
+
     try:
-        if chat:
-            yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name, "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-        chunk = first
-        text_offset = 0
-        tokenizer = engine.loaded.tokenizer
-        if echo is not None and first is not None:  # the prompt first, scored when logprobs were asked for
-            echoed: dict[str, Any] = {"index": 0, "text": echo, "finish_reason": None, "logprobs": None}
-            if logprobs and first.prompt_logprobs is not None:
-                ids = prompt_ids if prompt_ids is not None else await engine.tokenize(echo)
-                echoed["logprobs"] = prompt_logprobs_body(ids, first.prompt_logprobs, tokenizer)
-            yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name,
-                        "choices": [echoed]})
-            text_offset = len(echo)
-        while chunk is not None:
-            usage = chunk.usage or usage
+        item = first
+        while item is not None:
+            index, chunk = item
+            if index not in text_offset:  # the choice's first chunk
+                text_offset[index] = 0
+                if chat:
+                    yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+                elif echo is not None:  # the prompt first, scored when logprobs were asked for
+                    echoed: dict[str, Any] = {"index": index, "text": echo[index], "finish_reason": None,
+                                              "logprobs": None}
+                    if logprobs and chunk.prompt_logprobs is not None:
+                        ids = (prompt_ids[index] if prompt_ids is not None else None) \
+                            or await engine.tokenize(echo[index])
+                        echoed["logprobs"] = prompt_logprobs_body(ids, chunk.prompt_logprobs, tokenizer)
+                    yield event(echoed)
+                    text_offset[index] = len(echo[index])
+            if chunk.usage is not None:
+                usages[index] = chunk.usage
             finish = chunk.finish_reason
             deltas: list[dict[str, Any]] = []
-            if calls is not None:  # tools: content and tool-call deltas; the finish reason comes with the last
-                deltas = calls.feed(chunk.text) + (calls.finish() if finish is not None else [])
-                if finish is not None and calls.num_calls:
+            stream_calls = calls[index] if calls is not None else None
+            if stream_calls is not None:  # tools: content and tool-call deltas; the finish reason comes with the last
+                deltas = stream_calls.feed(chunk.text) + (stream_calls.finish() if finish is not None else [])
+                if finish is not None and stream_calls.num_calls:
                     finish = "tool_calls"
             elif chat:
                 deltas = [{"content": chunk.text}] if chunk.text else []
             if chat:
                 deltas = deltas or [{}]
-                choices: list[dict[str, Any]] = [{"index": 0, "delta": delta, "finish_reason": None}
+                choices: list[dict[str, Any]] = [{"index": index, "delta": delta, "finish_reason": None}
                                                  for delta in deltas]
                 choices[-1]["finish_reason"] = finish
             else:
-                choices = [{"index": 0, "text": chunk.text, "finish_reason": finish, "logprobs": None}]
+                choices = [{"index": index, "text": chunk.text, "finish_reason": finish, "logprobs": None}]
             if logprobs and chunk.logprobs:
                 choices[0]["logprobs"] = logprobs_body(chunk.logprobs, chat=chat, tokenizer=tokenizer,
-                                                       text_offset=text_offset)
-                text_offset += len(chunk.text)
+                                                       text_offset=text_offset[index])
+                text_offset[index] += len(chunk.text)
             for choice in choices:
-                yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name,
-                            "choices": [choice]})
-            chunk = await anext(stream, None)
+                yield event(choice)
+            item = await anext(items, None)
     except TokenflowError as exc:  # after the first event the status is sent: the error goes in the stream
         _report(request, exc)
         yield _sse(error_body(exc)[1])
@@ -508,9 +546,16 @@ async def _events(request: Request, stream: AsyncIterator[Chunk], first: Chunk |
         yield _sse(error_body(EngineError(f"the stream failed: {type(exc).__name__}"))[1])
     else:
         app_metrics.latency.observe(time.perf_counter() - started)
-        if include_usage and usage is not None:
+        if include_usage and usages:
+            done = [usages[i] for i in sorted(usages)]
+            usage = Usage(prompt_tokens=sum(u.prompt_tokens for i, u in sorted(usages.items()) if i % n == 0),
+                          completion_tokens=sum(u.completion_tokens for u in done),
+                          cached_tokens=sum(u.cached_tokens for u in done))
             yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name, "choices": [],
                         "usage": _usage(usage, settings.report_cached_tokens)})
+    finally:
+        with anyio.CancelScope(shield=True):
+            await items.aclose()  # type: ignore[attr-defined]
     yield "data: [DONE]\n\n"
 
 

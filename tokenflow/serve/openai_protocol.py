@@ -207,9 +207,6 @@ def decode_body(raw: bytes | dict[str, Any], chat: bool) -> ChatCompletionReques
             raise InvalidRequest(f"`{name}` is not supported by this server yet", field=name)
     if not 1 <= body.n <= MAX_N:
         raise InvalidRequest(f"n must be in [1, {MAX_N}]", field="n")
-    if body.stream and (body.n > 1 or len(prompts_of(body)) > 1):
-        raise InvalidRequest("streaming several choices (n > 1, or a batch of prompts) is not supported yet",
-                             field="n" if body.n > 1 else "prompt")
     return body
 
 
