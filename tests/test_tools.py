@@ -67,13 +67,15 @@ async def test_named_and_required_calls_match_the_parameters(tools_model) -> Non
             assert call.name == "get_weather" and call.id.startswith("call_")
             jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
         names = set()
-        for seed in range(8):
+        for seed in range(40):  # this model picks get_weather about one time in six: both by 40 but for 0.07%
             done = await engine.chat(ASK, tools=[WEATHER, CLOCK], tool_choice="required", temperature=1.0,
                                      seed=seed, max_tokens=200)
             (call,) = done.tool_calls
             tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.name]
             jsonschema.validate(json.loads(call.arguments), tool["function"]["parameters"])
             names.add(call.name)
+            if len(names) == 2 and seed >= 7:
+                break
         assert names == {"get_weather", "get_time"}
 
 

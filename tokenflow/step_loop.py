@@ -52,6 +52,9 @@ from tokenflow.runtime.sampler import RowFailure, Sampler, SamplerOutput, Sampli
 from tokenflow.structured.bitmask import MaskFiller, StepMasks, fill_masks, masked_first
 from tokenflow.structured.drafts import masked_draft_argmax
 
+# Fresh draws a refused constrained row gets before its mask is filled (see `Sampler.redraw_rejecting`).
+REJECTION_TRIES = 16
+
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
@@ -101,6 +104,7 @@ class StepLoop:
         self.num_oom_failures = 0  # requests that ran out of memory even alone
         self._oom_streak = False  # shrunk for an OOM, no step has run since
         self.num_masked_resamples = 0  # constrained tokens drawn again under their mask (the grammar refused one)
+        self.num_rejection_settled = 0  # ... of which fresh unconstrained draws settled, without a mask
         self.last_step_ms = 0.0
         self.last_forward_ms = 0.0
         self._tokens = RateWindow()  # generated tokens, for tokens/s
@@ -256,21 +260,35 @@ class StepLoop:
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None,
                 lazy: list[tuple[int, LLMatcher]]) -> SamplerOutput:
-        """Sample every row; then the `lazy` constrained rows whose token their grammar refuses are sampled
-        again under their mask (see `masked_first`)."""
+        """Sample every row; then the `lazy` constrained rows whose token their grammar refuses are drawn
+        again (see `masked_first`): first a few fresh unconstrained draws, then, for the rows none of those
+        settles, under their mask."""
         sampled = self.sampler.sample(logits, rows, masks)
         refused = [(j, m) for j, m in lazy
                    if j not in sampled.failed and (m.is_error() or not m.validate_tokens([sampled.token_ids[j]]))]
         if not refused:
             return sampled
         self.num_masked_resamples += len(refused)
-        again_masks = fill_masks([(k, m) for k, (_, m) in enumerate(refused)], self.sampler.vocab_size)
-        picked = [j for j, _ in refused]
-        again = self.sampler.sample(logits[picked], [rows[j] for j in picked], again_masks)
-        for k, j in enumerate(picked):
-            sampled.token_ids[j] = again.token_ids[k]
-            if k in again.failed:
-                sampled.failed[j] = again.failed[k]
+        redrawn = [(j, m) for j, m in refused if self.sampler.redrawable(j)]  # the common case: drawn at random
+        matcher_of = dict(redrawn)
+        settled = self.sampler.redraw_rejecting([j for j, _ in redrawn], rows,
+                                                lambda j, t: matcher_of[j].validate_tokens([t]) == 1, REJECTION_TRIES)
+        for j, token in settled.items():
+            sampled.token_ids[j] = token
+        self.num_rejection_settled += len(settled)
+        redrawn = [(j, m) for j, m in redrawn if j not in settled]
+        sampled_again = [(j, m) for j, m in refused if not self.sampler.redrawable(j)]  # greedy rows
+        for group, redraw in ((redrawn, True), (sampled_again, False)):  # redraw first: `sample` forgets the draw
+            if not group:
+                continue
+            picked = [j for j, _ in group]
+            group_masks = fill_masks([(k, m) for k, (_, m) in enumerate(group)], self.sampler.vocab_size)
+            again = (self.sampler.redraw(picked, rows, group_masks) if redraw
+                     else self.sampler.sample(logits[picked], [rows[j] for j in picked], group_masks))
+            for k, j in enumerate(picked):
+                sampled.token_ids[j] = again.token_ids[k]
+                if k in again.failed:
+                    sampled.failed[j] = again.failed[k]
         return sampled
 
     def _prompt_logprobs(self, logits: torch.Tensor, chunk: ScheduledChunk) -> list[dict[int, float]]:
@@ -422,6 +440,7 @@ class StepLoop:
             "num_oom_recoveries": self.num_oom_recoveries,
             "num_oom_failures": self.num_oom_failures,
             "num_masked_resamples": self.num_masked_resamples,
+            "num_rejection_settled": self.num_rejection_settled,
             "step_time_ms": round(self.last_step_ms, 2),
             "forward_time_ms": round(self.last_forward_ms, 2),
             "tokens_per_s": round(self._tokens.rates()[1], 1),

@@ -491,3 +491,55 @@ def test_an_out_of_vocabulary_draw_is_a_failure(monkeypatch: pytest.MonkeyPatch)
     logits = torch.randn(2, SMALL)
     out = Sampler(SMALL, [EOS]).sample(logits, [row(temperature=1.0), row(temperature=0.0)])
     assert set(out.failed) == {0}
+
+
+def test_redraw_equals_a_second_sample_under_the_masks() -> None:
+    """A constrained row refused its unconstrained token is drawn again from the tempered logits the first
+    draw kept: the same token a second `sample` of those rows with their masks draws (same generators),
+    penalties and temperatures included; a mask leaving nothing finite fails only its row."""
+    from tokenflow.structured.bitmask import StepMasks
+
+    vocab, n = 300, 6
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(5)) * 3
+    params = [SamplingParams(temperature=t, repetition_penalty=r, max_tokens=4)
+              for t, r in zip((1.0, 0.7, 1.5, 1.0, 0.9, 1.2), (1.0, 1.3, 1.0, 1.0, 1.0, 1.0), strict=True)]
+    words = torch.zeros(3, (vocab + 31) // 32, dtype=torch.int32)
+    words[0, 0] = 0b1011  # tokens 0, 1, 3
+    words[1, 2:5] = -1  # tokens 64..159
+    words[2, -1] = 1 << 3  # token 291, sent to -inf by the logits below: nothing finite is left
+    logits[4, 291] = float("-inf")
+    picked = [1, 2, 4]
+
+    def rows() -> list[SamplingRow]:
+        return [SamplingRow(p, [7, 8, 9], [3, 4], make_generator(100 + i)) for i, p in enumerate(params)]
+
+    twice, once = Sampler(vocab, [0]), Sampler(vocab, [0])
+    first_rows, again_rows = rows(), rows()
+    first = twice.sample(logits, first_rows)
+    expected = twice.sample(logits[picked], [first_rows[j] for j in picked], StepMasks([0, 1, 2], words, {}))
+    assert once.sample(logits, again_rows).token_ids == first.token_ids
+    assert all(once.redrawable(j) for j in picked)
+    got = once.redraw(picked, again_rows, StepMasks([0, 1, 2], words, {}))
+    assert got.token_ids[:2] == expected.token_ids[:2]
+    assert got.token_ids[0] in (0, 1, 3) and 64 <= got.token_ids[1] < 160
+    assert set(got.failed) == set(expected.failed) == {2}
+    greedy = Sampler(vocab, [0])
+    greedy.sample(logits, [SamplingRow(SamplingParams(temperature=0.0), [], [])] * n)
+    assert not greedy.redrawable(0)  # greedy rows are sampled again, not redrawn
+
+
+def test_redraw_rejecting_draws_from_the_distribution_restricted_to_the_accepted_set() -> None:
+    """Fresh draws until one is accepted: tokens 2 and 3 (45% of the mass) come back in the ratio of their
+    probabilities; rows whose accepted set is never hit within `tries` are left to the masked redraw."""
+    probs = [0.3, 0.25, 0.3, 0.15]
+    logits = logits_from_probs(probs).expand(2000, -1).contiguous()
+    rows = [row(seed=i) for i in range(2000)]
+    sampler = Sampler(SMALL, [EOS])
+    first = sampler.sample(logits, rows)
+    refused = [i for i, t in enumerate(first.token_ids) if t not in (3, 4)]
+    found = sampler.redraw_rejecting(refused, rows, lambda _, t: t in (3, 4), tries=16)
+    assert len(found) > 0.99 * len(refused)  # P(no hit in 16 tries) = 0.55 ** 16 < 1e-4
+    kept = [t for i, t in enumerate(first.token_ids) if i not in found and t in (3, 4)] + list(found.values())
+    assert_freqs(Counter(kept), {3: 0.3 / 0.45, 4: 0.15 / 0.45}, len(kept), tol=0.04)
+    never = sampler.redraw_rejecting(refused[:5], rows, lambda _, t: False, tries=4)
+    assert never == {}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -102,6 +102,9 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(sorted({int(t) for t in eos_token_ids}))
         self._scratch: dict[str, torch.Tensor] = {}
+        # The last `sample`'s tempered logits and CDFs of the rows it drew by inverting their CDF, and where
+        # each row is in them: what `redraw_rejecting` and `redraw` draw from again.
+        self._drawn: tuple[torch.Tensor, torch.Tensor, dict[int, int]] | None = None
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow], masks: StepMasks | None = None
@@ -112,6 +115,7 @@ class Sampler:
         n = len(rows)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {n} rows")
+        self._drawn = None
         if n == 0:
             return SamplerOutput([], None)
         src = logits[:, : min(self.vocab_size, logits.shape[1])]  # columns past the vocab are padding
@@ -124,6 +128,59 @@ class Sampler:
             for row, error in masks.errors.items():
                 output.failed[row] = RowFailure(f"the output constraint cannot go on: {error}", model_fault=False)
         return output
+
+    def redrawable(self, row: int) -> bool:
+        """Whether `redraw` can draw row `row` of the last `sample` again (a row drawn at random without
+        top-k or top-p; a greedy or truncated row goes through `sample` again)."""
+        return self._drawn is not None and row in self._drawn[2]
+
+    def redraw_rejecting(self, idx: list[int], rows: Sequence[SamplingRow], accepts: Callable[[int, int], bool],
+                         tries: int) -> dict[int, int]:
+        """`{row: token}` for the rows of `idx` (of the last `sample`) that fresh draws from their kept CDF
+        settle: up to `tries` draws each, keeping the first token `accepts(row, token)`. Draws from p until
+        one lands in the allowed set A are draws from p restricted to A, so this is exact, and it costs a
+        few binary searches where the mask of the whole vocabulary costs a pass over it; the rows it does
+        not settle go to `redraw`."""
+        if not idx:
+            return {}
+        assert self._drawn is not None
+        _, cdf, where = self._drawn
+        found: dict[int, int] = {}
+        for i in idx:
+            row_cdf = cdf[where[i]]
+            total = row_cdf[-1:]
+            gen = rows[i].generator
+            u = torch.rand(tries, generator=gen, device=gen.device) if gen is not None else torch.rand(tries)
+            target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+            refused: set[int] = set()
+            for token in torch.searchsorted(row_cdf, target, right=True).tolist():
+                if token not in refused:
+                    if accepts(i, token):
+                        found[i] = token
+                        break
+                    refused.add(token)
+        return found
+
+    @torch.inference_mode()
+    def redraw(self, idx: list[int], rows: Sequence[SamplingRow], masks: StepMasks) -> SamplerOutput:
+        """Draw rows `idx` of the last `sample` again under `masks` (mask `j` is row `idx[j]`'s), from the
+        tempered logits that call kept: the token a second `sample` of those rows with these masks would
+        draw (the same uniforms from the same generators), without redoing its work. A structured row whose
+        unconstrained token its grammar refused comes here; the output's rows are `idx`'s order."""
+        assert self._drawn is not None and all(self.redrawable(i) for i in idx)
+        s, _, where = self._drawn
+        x = _gather_rows(s, [where[i] for i in idx], self._buf("redraw", len(idx), s.shape[1], s))
+        apply_bitmask(x, list(range(len(idx))), masks.words)
+        bad = ~x.amax(-1).isfinite()  # the mask left nothing the sampling parameters allow
+        if bad.any():
+            x[bad] = 0.0  # drawn harmlessly, reported as failed
+        u = _uniforms([rows[i] for i in idx], s.device)
+        tokens = _inverse_cdf(x, u, self._buf("tmp", len(idx), s.shape[1], s)).tolist()
+        failed = {j: RowFailure("the output constraint allows no token with a finite logit", model_fault=False)
+                  for j in bad.nonzero().squeeze(-1).tolist()}
+        for row, error in masks.errors.items():
+            failed[row] = RowFailure(f"the output constraint cannot go on: {error}", model_fault=False)
+        return SamplerOutput(tokens, None, failed)
 
     def _sample(self, raw: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         n = len(rows)
@@ -281,7 +338,9 @@ class Sampler:
         if t:
             out[:t] = self._truncated_sample(s[:t], ps[:t], u[:t], stages)
         if t < len(order):
-            out[t:] = _inverse_cdf(s[t:], u[t:], self._buf("tmp", len(order) - t, vocab, s))
+            cdf = self._buf("tmp", len(order) - t, vocab, s)
+            out[t:] = _inverse_cdf(s[t:], u[t:], cdf)
+            self._drawn = (s[t:], cdf, {i: j - t for j, i in enumerate(order) if j >= t})
         return order, out, bad
 
     def _truncated_sample(
