@@ -145,15 +145,17 @@ class Sampler:
             return {}
         assert self._drawn is not None
         _, cdf, where = self._drawn
+        total = cdf[:, -1:]
+        u = torch.zeros(cdf.shape[0], tries, device=cdf.device)  # rows not asked for search at 0, harmlessly
+        for i in idx:
+            gen = rows[i].generator
+            u[where[i]] = torch.rand(tries, generator=gen, device=gen.device) if gen is not None else torch.rand(tries)
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        candidates = torch.searchsorted(cdf, target, right=True).tolist()  # every row's draws in one search
         found: dict[int, int] = {}
         for i in idx:
-            row_cdf = cdf[where[i]]
-            total = row_cdf[-1:]
-            gen = rows[i].generator
-            u = torch.rand(tries, generator=gen, device=gen.device) if gen is not None else torch.rand(tries)
-            target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
             refused: set[int] = set()
-            for token in torch.searchsorted(row_cdf, target, right=True).tolist():
+            for token in candidates[where[i]]:
                 if token not in refused:
                     if accepts(i, token):
                         found[i] = token
