@@ -153,6 +153,47 @@ def test_prefill_softmax_matches_the_torch_ops_path(
 
 
 @needs_compiler
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "head_dim", "block_size"),
+    [(3, 3, 64, 16), (2, 4, 128, 16), (1, 8, 64, 32), (4, 1, 32, 8), (2, 2, 80, 16), (1, 2, 16, 4)],
+)
+@pytest.mark.parametrize(("start", "t"), [(0, 300), (0, 1), (37, 90), (200, 1), (5, 7)])
+def test_fp32_prefill_kernel_matches_sdpa(
+    kv_heads: int, group: int, head_dim: int, block_size: int, start: int, t: int
+) -> None:
+    """An fp32 chunk of t queries at positions start.. over its sequence's keys in shuffled cache
+    blocks (and, from position 0, over the chunk's own key rows): as accurate as SDPA against fp64."""
+    kernels = load_native_kernels(head_dim, group)
+    assert kernels is not None and kernels.prefill_supported
+    length = start + t
+    batch = PagedBatch([length], kv_heads, group, head_dim, block_size, dtype=torch.float32)
+    g = torch.Generator().manual_seed(length + head_dim)
+    q = torch.randn(t, kv_heads * group, head_dim, generator=g)
+    table = batch.tables[0]
+    slots = torch.tensor([int(table[j // block_size]) * block_size + j % block_size for j in range(length)])
+    k, v = batch.k[slots].transpose(0, 1), batch.v[slots].transpose(0, 1)  # [KVH, L, D]
+    mask = torch.full((t, length), float("-inf")).triu_(start + 1)
+    qh = q.view(t, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, t, D]
+
+    def heads_last(x: torch.Tensor) -> torch.Tensor:  # [KVH, G, t, D] -> [t, H, D]
+        return x.permute(2, 0, 1, 3).reshape(t, -1, head_dim)
+
+    scores = qh.double() @ k.double()[:, None].transpose(-1, -2) * batch.scale + mask.double()
+    exact = heads_last(torch.softmax(scores, -1) @ v.double()[:, None])
+    sdpa = heads_last(torch.nn.functional.scaled_dot_product_attention(
+        qh, k[:, None], v[:, None], attn_mask=mask, scale=batch.scale))
+    native = kernels.prefill(q, batch.k, batch.v, table, block_size, start, batch.scale)
+    assert native.shape == q.shape and native.dtype == torch.float32
+    native_error = (native.double() - exact).abs().max().item()
+    assert native_error <= 4 * (sdpa.double() - exact).abs().max().item() + 1e-6
+    assert native_error < 1e-5  # outputs are O(1): a wrong key, block or mask would be off by ~0.1-1
+    if start == 0:  # the chunk's own rows, key j at row j
+        own = kernels.prefill(q, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), None,
+                              block_size, 0, batch.scale)
+        assert (own.double() - exact).abs().max().item() < 1e-5
+
+
+@needs_compiler
 def test_kernels_refuse_a_geometry_they_were_not_built_for() -> None:
     batch = PagedBatch([5, 9], 2, 2, 32, 16)
     kernels = load_native_kernels(64, 2)

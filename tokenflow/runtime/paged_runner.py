@@ -204,6 +204,10 @@ class PagedModelRunner:
         on_cpu = kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float32)
         self.native = load_native_kernels(kv_cache.head_dim, group) if native_kernels and on_cpu else None
         self.native_softmax = self.matmul_attention and self.native is not None
+        # fp32 on CPU: prefill chunks through the native kernel, over the cache (every segment gets its table)
+        self.native_prefill = (
+            self.native is not None and self.native.prefill_supported and kv_cache.dtype == torch.float32
+        )
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window
         self.sinks = sinks
@@ -287,6 +291,7 @@ class PagedModelRunner:
             topk=tuple(topk),
             matmul_attention=self.matmul_attention,
             native=self.native,
+            native_prefill=self.native_prefill,
         )
         return PackedStep(
             input_ids=torch.tensor([rows.ids], dtype=torch.long, device=self.device),
@@ -344,9 +349,12 @@ class PagedModelRunner:
         bs = self.block_size
         s, t = c.start_pos, len(c.token_ids)
         e = s + t
-        block_ids = None if s == 0 else torch.tensor(c.block_table[: -(-e // bs)], dtype=torch.long, device=self.device)
+        block_ids = None
+        if s > 0 or self.native_prefill:
+            block_ids = torch.tensor(c.block_table[: -(-e // bs)], dtype=torch.long, device=self.device)
         mask = None
-        if (s > 0 or self.matmul_attention) and not self.native_softmax:  # the native softmax masks by position
+        # the native softmax and the native prefill mask by position
+        if (s > 0 or self.matmul_attention) and not (self.native_softmax or self.native_prefill):
             # [t, e] additive: row i (position s + i) sees keys j <= s + i; two cheap ops
             mask = torch.full((t, e), float("-inf"), dtype=self.dtype, device=self.device).triu_(s + 1)
         return PrefillSegment(row, row + t, s, e, block_ids, mask)

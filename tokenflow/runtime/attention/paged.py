@@ -22,7 +22,8 @@ Per layer:
 bf16 on CPU (`PagedAttentionMetadata.matmul_attention`) runs steps 2 and 3 as bf16 matrix
 products instead of SDPA (`tokenflow.runtime.attention.matmul`: faster there); where its C kernels
 build (`tokenflow.runtime.cpu.native_kernels`), step 2 reads the blocks in place, without the gather,
-and step 3 does its softmax in one pass.
+and step 3 does its softmax in one pass. In fp32 there, step 3 is one native kernel call per segment
+over the cache (`NativeKernels.prefill`, `PagedAttentionMetadata.native_prefill`).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class PagedAttentionMetadata:
     topk: tuple[TopkDecode, ...] = ()  # attention="topk" decodes past the budget, packed last
     matmul_attention: bool = False  # decodes and prefills as bf16 matmuls, not SDPA (bf16 on CPU)
     native: NativeKernels | None = None  # C kernels: decode groups with `lengths` (bf16, fp32), prefill softmax (bf16)
+    native_prefill: bool = False  # fp32 prefill segments through `native.prefill` (each has its block_ids)
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
 
 
@@ -221,6 +223,12 @@ def attend(
         pieces.append(out.reshape(n, num_heads, head_dim))  # a view unless the kernel's layout differs
 
     for seg in meta.prefills:
+        if meta.native_prefill and meta.native is not None and seg.block_ids is not None:
+            q = q_rows[seg.q_start : seg.q_end]
+            pieces.append(meta.native.prefill(
+                q, cache.k_slots[layer], cache.v_slots[layer], seg.block_ids, cache.block_size, seg.start_pos, scale,
+            ))
+            continue
         if seg.block_ids is None:  # chunk starts the sequence: its own keys are the whole context
             k = k_new[seg.q_start : seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, KVH, t, D]
             v = v_new[seg.q_start : seg.q_end].transpose(0, 1).unsqueeze(0)

@@ -11,6 +11,8 @@
  * - paged_decode_f32: the same in fp32.
  * - causal_softmax_bf16: the middle of a prefill tile's attention (scale, causal mask, softmax,
  *   rounding) in one pass over the scores instead of four torch ops.
+ * - paged_prefill_f32: causal attention of an fp32 prefill chunk over the paged cache, register-blocked
+ *   products around an exact softmax (see below).
  * - rms_norm_bf16: the Llama-family RMSNorm in one pass instead of ~9 torch ops.
  *
  * Arithmetic follows transformers' eager bf16 modules: attention scores accumulated in fp32 and
@@ -445,3 +447,178 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, int64_t rows, int6
             dst[i] = float_to_bf16(bf16_to_float(weight[i]) * round_to_bf16(bf16_to_float(row[i]) * inv_rms));
     }
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * paged_prefill_f32: causal attention of one prefill chunk over its sequence's paged keys, in fp32.
+ *
+ * Why: torch's fused CPU attention runs these shapes (64-wide heads, a few hundred keys) at a fraction
+ * of the FMA rate. Here each KV head's keys are packed once per call, transposed ([HEAD_DIM][keys]),
+ * so that a tile of PREFILL_ROWS query rows times KEY_TILE keys is a register-blocked product; each
+ * row's softmax is exact (max, exp, sum over its visible keys, like eager attention), and the
+ * weighted values are a second register-blocked product over the packed values. The G query heads
+ * sharing a KV head are rows of one tile, so GQA reads each key once per tile.
+ *   q       [t, kv_heads * GROUP, HEAD_DIM] fp32, contiguous: positions start .. start + t - 1
+ *   k_src   key row j (position j) at k_src + slot(j) * kv_heads * HEAD_DIM, with
+ *           slot(j) = table[j / block_size] * block_size + j % block_size, or slot(j) = j without a table
+ *   v_src   the same for values
+ *   out     [t, kv_heads * GROUP, HEAD_DIM] fp32
+ * Returns 0; -1 when group or head_dim differ from the build's (or HEAD_DIM is not a multiple of 16),
+ * -2 when out of memory (nothing is guaranteed written then).
+ * --------------------------------------------------------------------------------------------- */
+#if HEAD_DIM % 16 == 0
+typedef float vec16 __attribute__((vector_size(64)));                    /* 16 floats, 64-byte aligned */
+typedef float vec16_unaligned __attribute__((vector_size(64), aligned(4)));
+#define PREFILL_ROWS 6                                 /* query rows per tile: 6 x 2 score accumulators */
+#define KEY_TILE 32                                    /* keys per score tile: two vectors */
+#define HEAD_VECS (HEAD_DIM / 16)
+/* rows per weighted-value pass: ~24 accumulators, at most a tile */
+#define VALUE_ROWS (24 / HEAD_VECS < 1 ? 1 : 24 / HEAD_VECS > PREFILL_ROWS ? PREFILL_ROWS : 24 / HEAD_VECS)
+
+static inline int64_t key_slot(const int64_t *table, int64_t j, int64_t block_size)
+{
+    return table == NULL ? j : table[j / block_size] * block_size + j % block_size;
+}
+
+/* Scores of PREFILL_ROWS pre-scaled query rows `qb` against keys [0, keys) of one head's
+ * transposed keys `kt` [HEAD_DIM][stride] into `s` [PREFILL_ROWS][stride]; keys is a multiple of KEY_TILE,
+ * padding keys are zero. */
+static inline void tile_scores(float *s, const float qb[PREFILL_ROWS][HEAD_DIM], const float *kt, int64_t stride,
+                               int64_t keys)
+{
+    for (int64_t j = 0; j < keys; j += KEY_TILE) {
+        vec16 acc[PREFILL_ROWS][2];
+        for (int r = 0; r < PREFILL_ROWS; ++r)
+            acc[r][0] = acc[r][1] = (vec16){0};
+        for (int64_t d = 0; d < HEAD_DIM; ++d) {
+            const vec16 k0 = *(const vec16 *)(kt + d * stride + j);
+            const vec16 k1 = *(const vec16 *)(kt + d * stride + j + 16);
+            for (int r = 0; r < PREFILL_ROWS; ++r) {
+                acc[r][0] += qb[r][d] * k0;
+                acc[r][1] += qb[r][d] * k1;
+            }
+        }
+        for (int r = 0; r < PREFILL_ROWS; ++r) {
+            *(vec16 *)(s + r * stride + j) = acc[r][0];
+            *(vec16 *)(s + r * stride + j + 16) = acc[r][1];
+        }
+    }
+}
+
+int paged_prefill_f32(const float *q, const float *k_src, const float *v_src, const int64_t *table,
+                      int64_t block_size, int64_t start, int64_t t, int64_t kv_heads, int64_t group_arg,
+                      int64_t head_dim_arg, float scale, float *out)
+{
+    if (head_dim_arg != HEAD_DIM || group_arg != GROUP)
+        return -1;
+    const int64_t heads = kv_heads * GROUP, slot_stride = kv_heads * HEAD_DIM;
+    const int64_t length = start + t;
+    const int64_t stride = (length + KEY_TILE - 1) / KEY_TILE * KEY_TILE; /* padded keys per head */
+    const int64_t rows = t * GROUP;                                      /* query rows per KV head */
+    const int64_t tiles = (rows + PREFILL_ROWS - 1) / PREFILL_ROWS;
+    float *kt = aligned_alloc(64, sizeof(float) * (size_t)(kv_heads * HEAD_DIM * stride)); /* [h][d][key] */
+    float *vp = aligned_alloc(64, sizeof(float) * (size_t)(kv_heads * stride * HEAD_DIM)); /* [h][key][d] */
+    int failed = kt == NULL || vp == NULL;
+    if (failed) {
+        free(kt);
+        free(vp);
+        return -2;
+    }
+
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t hj = 0; hj < kv_heads * stride; ++hj) {
+            const int64_t h = hj / stride, j = hj % stride;
+            float *vrow = vp + (h * stride + j) * HEAD_DIM;
+            if (j >= length) {
+                for (int64_t d = 0; d < HEAD_DIM; ++d)
+                    kt[(h * HEAD_DIM + d) * stride + j] = 0.f;
+                memset(vrow, 0, sizeof(float) * HEAD_DIM);
+                continue;
+            }
+            const int64_t offset = key_slot(table, j, block_size) * slot_stride + h * HEAD_DIM;
+            for (int64_t d = 0; d < HEAD_DIM; ++d)
+                kt[(h * HEAD_DIM + d) * stride + j] = k_src[offset + d];
+            memcpy(vrow, v_src + offset, sizeof(float) * HEAD_DIM);
+        }
+
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(PREFILL_ROWS * stride));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* Later tiles see more keys: small dynamic chunks keep both threads busy to the end. */
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t item = 0; item < kv_heads * tiles; ++item) {
+            if (scores == NULL)
+                continue;
+            const int64_t h = item / tiles, r0 = (item % tiles) * PREFILL_ROWS;
+            const int64_t real = rows - r0 < PREFILL_ROWS ? rows - r0 : PREFILL_ROWS;
+            float qb[PREFILL_ROWS][HEAD_DIM] __attribute__((aligned(64)));
+            int64_t visible[PREFILL_ROWS];
+            for (int r = 0; r < PREFILL_ROWS; ++r) {
+                const int64_t row = r0 + (r < real ? r : real - 1); /* padding rows repeat the last one */
+                const int64_t pos = row / GROUP, g = row % GROUP;
+                const float *src = q + (pos * heads + h * GROUP + g) * HEAD_DIM;
+                for (int64_t d = 0; d < HEAD_DIM; ++d)
+                    qb[r][d] = src[d] * scale;
+                visible[r] = start + pos + 1;
+            }
+            const int64_t keys = visible[PREFILL_ROWS - 1];
+            const int64_t padded = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+            tile_scores(scores, qb, kt + h * HEAD_DIM * stride, stride, padded);
+
+            float inv_sum[PREFILL_ROWS];
+            for (int r = 0; r < PREFILL_ROWS; ++r) {
+                float *s = scores + r * stride, top = -INFINITY, sum = 0.f;
+                const int64_t seen = visible[r];
+#pragma omp simd reduction(max : top)
+                for (int64_t j = 0; j < seen; ++j)
+                    top = s[j] > top ? s[j] : top;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t j = 0; j < seen; ++j) {
+                    s[j] = expf(s[j] - top);
+                    sum += s[j];
+                }
+                for (int64_t j = seen; j < keys; ++j)
+                    s[j] = 0.f;
+                inv_sum[r] = 1.f / sum;
+            }
+
+            const float *vh = vp + h * stride * HEAD_DIM;
+            for (int rb = 0; rb < real; rb += VALUE_ROWS) {
+                const int count = real - rb < VALUE_ROWS ? real - rb : VALUE_ROWS;
+                vec16 acc[VALUE_ROWS][HEAD_VECS];
+                for (int r = 0; r < VALUE_ROWS; ++r)
+                    for (int x = 0; x < HEAD_VECS; ++x)
+                        acc[r][x] = (vec16){0};
+                for (int64_t j = 0; j < keys; ++j) {
+                    const vec16 *v = (const vec16 *)(vh + j * HEAD_DIM);
+                    for (int r = 0; r < VALUE_ROWS; ++r) {
+                        const float p = scores[(rb + (r < count ? r : 0)) * stride + j];
+                        for (int x = 0; x < HEAD_VECS; ++x)
+                            acc[r][x] += p * v[x];
+                    }
+                }
+                for (int r = 0; r < count; ++r) {
+                    const int64_t row = r0 + rb + r, pos = row / GROUP, g = row % GROUP;
+                    vec16_unaligned *dst = (vec16_unaligned *)(out + (pos * heads + h * GROUP + g) * HEAD_DIM);
+                    for (int x = 0; x < HEAD_VECS; ++x)
+                        dst[x] = acc[r][x] * inv_sum[rb + r];
+                }
+            }
+        }
+        free(scores);
+    }
+    free(kt);
+    free(vp);
+    return failed ? -2 : 0;
+}
+#else
+int paged_prefill_f32(const float *q, const float *k_src, const float *v_src, const int64_t *table,
+                      int64_t block_size, int64_t start, int64_t t, int64_t kv_heads, int64_t group_arg,
+                      int64_t head_dim_arg, float scale, float *out)
+{
+    return -1;
+}
+#endif

@@ -66,6 +66,11 @@ class NativeKernels:
         self._softmax = library.causal_softmax_bf16
         self._softmax.argtypes = (_P, _I, _I, _I, _I, ctypes.c_float)
         self._softmax.restype = ctypes.c_int
+        self._prefill_f32 = library.paged_prefill_f32
+        self._prefill_f32.argtypes = (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P)
+        self._prefill_f32.restype = ctypes.c_int
+        # The prefill kernel's register tiles are 16 floats wide; other head sizes keep torch's attention.
+        self.prefill_supported = head_dim % 16 == 0
         self._rms_norm = library.rms_norm_bf16
         self._rms_norm.argtypes = (_P, _P, _I, _I, ctypes.c_float, _P)
         self._rms_norm.restype = None
@@ -103,6 +108,39 @@ class NativeKernels:
         )
         if status != 0:
             raise MemoryError("paged decode: out of memory")  # the geometry was checked above
+        return out
+
+    def prefill(
+        self,
+        q: torch.Tensor,  # [t, H, D] fp32: the chunk's queries, at positions start .. start + t - 1
+        k_source: torch.Tensor,  # [slots, KVH, D] fp32, contiguous: the cache, or the chunk's own keys
+        v_source: torch.Tensor,
+        table: torch.Tensor | None,  # [blocks] int64: the sequence's blocks in k_source; None: row j is key j
+        block_size: int,
+        start: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal fp32 attention of one prefill chunk over keys 0 .. start + t - 1; returns `[t, H, D]`.
+
+        The caller guarantees that the table covers the chunk's keys (the runner builds it)."""
+        t, heads, head_dim = q.shape
+        kv_heads = k_source.shape[1]
+        if not self.prefill_supported or (head_dim, heads // kv_heads) != (self.head_dim, self.group):
+            raise ValueError(f"prefill kernel built for head_dim {self.head_dim}, group {self.group}")
+        if not (q.dtype == k_source.dtype == v_source.dtype == torch.float32):
+            raise ValueError(f"paged prefill needs fp32 queries and keys, got {q.dtype}, {k_source.dtype}")
+        if not (k_source.is_contiguous() and v_source.is_contiguous()):
+            raise ValueError("paged prefill needs contiguous key and value rows")
+        if table is not None and not table.is_contiguous():
+            raise ValueError("paged prefill needs a contiguous block table")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        status = self._prefill_f32(
+            q.data_ptr(), k_source.data_ptr(), v_source.data_ptr(), None if table is None else table.data_ptr(),
+            block_size, start, t, kv_heads, self.group, head_dim, scale, out.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("paged prefill: out of memory")  # the geometry was checked above
         return out
 
     def causal_softmax_(self, scores: torch.Tensor, rows: int, first_pos: int, scale: float) -> torch.Tensor:
