@@ -164,7 +164,7 @@ def test_fp32_prefill_kernel_matches_sdpa(
     """An fp32 chunk of t queries at positions start.. over its sequence's keys in shuffled cache
     blocks (and, from position 0, over the chunk's own key rows): as accurate as SDPA against fp64."""
     kernels = load_native_kernels(head_dim, group)
-    assert kernels is not None and kernels.prefill_supported
+    assert kernels is not None and torch.float32 in kernels.prefill_dtypes
     length = start + t
     batch = PagedBatch([length], kv_heads, group, head_dim, block_size, dtype=torch.float32)
     g = torch.Generator().manual_seed(length + head_dim)
@@ -191,6 +191,36 @@ def test_fp32_prefill_kernel_matches_sdpa(
         own = kernels.prefill(q, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), None,
                               block_size, 0, batch.scale)
         assert (own.double() - exact).abs().max().item() < 1e-5
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "head_dim", "block_size"), [(3, 3, 64, 16), (2, 4, 128, 16), (4, 1, 32, 8), (2, 2, 80, 16)]
+)
+@pytest.mark.parametrize(("start", "t"), [(0, 300), (0, 1), (37, 90), (200, 1), (5, 8)])
+def test_bf16_prefill_kernel_equals_the_matmul_path(
+    kv_heads: int, group: int, head_dim: int, block_size: int, start: int, t: int
+) -> None:
+    """With AVX512-BF16, a bf16 chunk over its keys in shuffled cache blocks: eager's rounding steps
+    (scores, scaled scores, probabilities, output to bf16), so the same bf16 numbers as the matmul path."""
+    kernels = load_native_kernels(head_dim, group)
+    assert kernels is not None
+    if torch.bfloat16 not in kernels.prefill_dtypes:
+        assert "avx512_bf16" not in native_kernels.cpu_flags()  # only a CPU without it may lack the kernel
+        pytest.skip("this CPU has no AVX512-BF16")
+    length = start + t
+    batch = PagedBatch([length], kv_heads, group, head_dim, block_size)
+    g = torch.Generator().manual_seed(length + head_dim)
+    q = torch.randn(t, kv_heads * group, head_dim, generator=g).to(BF16)
+    table = batch.tables[0]
+    slots = torch.tensor([int(table[j // block_size]) * block_size + j % block_size for j in range(length)])
+    k, v = batch.k[slots].transpose(0, 1), batch.v[slots].transpose(0, 1)  # [KVH, L, D]
+    mask = torch.full((t, length), float("-inf"), dtype=BF16).triu_(start + 1)
+    ops = prefill_attention(q, k, v, mask, batch.scale)
+    native = kernels.prefill(q, batch.k, batch.v, table, block_size, start, batch.scale)
+    assert native.shape == q.shape and native.dtype == BF16
+    assert (native == ops).float().mean() > 0.9  # fp32 sums in another order flip a few last bits
+    assert (native.float() - ops.float()).abs().max() < 0.02  # a wrong key or mask would be off by ~0.1-1
 
 
 @needs_compiler

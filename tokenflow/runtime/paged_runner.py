@@ -204,9 +204,9 @@ class PagedModelRunner:
         on_cpu = kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float32)
         self.native = load_native_kernels(kv_cache.head_dim, group) if native_kernels and on_cpu else None
         self.native_softmax = self.matmul_attention and self.native is not None
-        # fp32 on CPU: prefill chunks through the native kernel, over the cache (every segment gets its table)
+        # fp32 and bf16 on CPU: prefill chunks through the native kernel, over the cache (every segment gets its table)
         self.native_prefill = (
-            self.native is not None and self.native.prefill_supported and kv_cache.dtype == torch.float32
+            self.native is not None and kv_cache.dtype in self.native.prefill_dtypes
         )
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window

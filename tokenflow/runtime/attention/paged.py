@@ -22,8 +22,9 @@ Per layer:
 bf16 on CPU (`PagedAttentionMetadata.matmul_attention`) runs steps 2 and 3 as bf16 matrix
 products instead of SDPA (`tokenflow.runtime.attention.matmul`: faster there); where its C kernels
 build (`tokenflow.runtime.cpu.native_kernels`), step 2 reads the blocks in place, without the gather,
-and step 3 does its softmax in one pass. In fp32 there, step 3 is one native kernel call per segment
-over the cache (`NativeKernels.prefill`, `PagedAttentionMetadata.native_prefill`).
+and step 3 does its softmax in one pass. Where the prefill kernel builds for the cache's dtype (fp32;
+bf16 with AVX512-BF16), step 3 is one kernel call per segment over the cache instead
+(`NativeKernels.prefill`, `PagedAttentionMetadata.native_prefill`): no gather, no mask.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class PagedAttentionMetadata:
     topk: tuple[TopkDecode, ...] = ()  # attention="topk" decodes past the budget, packed last
     matmul_attention: bool = False  # decodes and prefills as bf16 matmuls, not SDPA (bf16 on CPU)
     native: NativeKernels | None = None  # C kernels: decode groups with `lengths` (bf16, fp32), prefill softmax (bf16)
-    native_prefill: bool = False  # fp32 prefill segments through `native.prefill` (each has its block_ids)
+    native_prefill: bool = False  # prefill segments through `native.prefill` (each has its block_ids)
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
 
 

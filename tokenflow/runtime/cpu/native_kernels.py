@@ -1,11 +1,13 @@
-"""bf16 kernels for CPU in a small C library (`cpu_kernels.c`), compiled here at first use.
+"""Attention and norm kernels for CPU in a small C library (`cpu_kernels.c`), compiled here at first use.
 
 Why: with torch ops, each layer of a decode step gathers every sequence's KV blocks into a copy
 padded to the longest context, transposes it head-major, and runs two batched products that
 read it again; the decode kernel reads each sequence's keys and values once, for its own length
-only. Prefill tiles keep torch's bf16 matrix products for the scores and the weighted values,
-and do scale, causal mask, softmax and rounding between them in one pass instead of four ops
-(one read of the scores, not four); RMSNorm is one call instead of ~9 ops.
+only. The prefill kernel (fp32, and bf16 with AVX512-BF16) does a chunk's whole causal attention
+over the cache: torch's fused CPU attention runs these narrow heads far below the FMA rate, and
+the matmul path gathers the blocks and masks first. Without it, bf16 prefill tiles keep torch's
+matrix products and do scale, causal mask, softmax and rounding between them in one pass instead
+of four ops. RMSNorm is one call instead of ~9 ops.
 
 Build: `$CC` (default `cc`) with `-O3 -march=native -ffast-math -fopenmp -DHEAD_DIM=<d>
 -DGROUP=<g>` (constants let the compiler unroll and vectorise the row loops, which runtime sizes
@@ -66,11 +68,18 @@ class NativeKernels:
         self._softmax = library.causal_softmax_bf16
         self._softmax.argtypes = (_P, _I, _I, _I, _I, ctypes.c_float)
         self._softmax.restype = ctypes.c_int
-        self._prefill_f32 = library.paged_prefill_f32
-        self._prefill_f32.argtypes = (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P)
-        self._prefill_f32.restype = ctypes.c_int
-        # The prefill kernel's register tiles are 16 floats wide; other head sizes keep torch's attention.
-        self.prefill_supported = head_dim % 16 == 0
+        prefill_args = (_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P)
+        self._prefill = {torch.float32: library.paged_prefill_f32, torch.bfloat16: library.paged_prefill_bf16}
+        for kernel in self._prefill.values():
+            kernel.argtypes = prefill_args
+            kernel.restype = ctypes.c_int
+        # Caches the prefill kernel takes: its register tiles are 16 floats wide, and its bf16 form needs
+        # AVX512-BF16; other dtypes and head sizes keep the torch-ops attention.
+        library.prefill_bf16_available.restype = ctypes.c_int
+        self.prefill_dtypes = frozenset(
+            dtype for dtype, built in ((torch.float32, True), (torch.bfloat16, library.prefill_bf16_available() == 1))
+            if built and head_dim % 16 == 0
+        )
         self._rms_norm = library.rms_norm_bf16
         self._rms_norm.argtypes = (_P, _P, _I, _I, ctypes.c_float, _P)
         self._rms_norm.restype = None
@@ -112,30 +121,31 @@ class NativeKernels:
 
     def prefill(
         self,
-        q: torch.Tensor,  # [t, H, D] fp32: the chunk's queries, at positions start .. start + t - 1
-        k_source: torch.Tensor,  # [slots, KVH, D] fp32, contiguous: the cache, or the chunk's own keys
+        q: torch.Tensor,  # [t, H, D] fp32 or bf16: the chunk's queries, at positions start .. start + t - 1
+        k_source: torch.Tensor,  # [slots, KVH, D], q's dtype, contiguous: the cache, or the chunk's own keys
         v_source: torch.Tensor,
         table: torch.Tensor | None,  # [blocks] int64: the sequence's blocks in k_source; None: row j is key j
         block_size: int,
         start: int,
         scale: float,
     ) -> torch.Tensor:
-        """Causal fp32 attention of one prefill chunk over keys 0 .. start + t - 1; returns `[t, H, D]`.
+        """Causal attention of one prefill chunk over keys 0 .. start + t - 1; returns `[t, H, D]`.
 
         The caller guarantees that the table covers the chunk's keys (the runner builds it)."""
         t, heads, head_dim = q.shape
         kv_heads = k_source.shape[1]
-        if not self.prefill_supported or (head_dim, heads // kv_heads) != (self.head_dim, self.group):
+        if (head_dim, heads // kv_heads) != (self.head_dim, self.group):
             raise ValueError(f"prefill kernel built for head_dim {self.head_dim}, group {self.group}")
-        if not (q.dtype == k_source.dtype == v_source.dtype == torch.float32):
-            raise ValueError(f"paged prefill needs fp32 queries and keys, got {q.dtype}, {k_source.dtype}")
+        if not (q.dtype == k_source.dtype == v_source.dtype and q.dtype in self.prefill_dtypes):
+            raise ValueError(f"paged prefill here takes {sorted(map(str, self.prefill_dtypes))} queries and keys, "
+                             f"got {q.dtype}, {k_source.dtype}")
         if not (k_source.is_contiguous() and v_source.is_contiguous()):
             raise ValueError("paged prefill needs contiguous key and value rows")
         if table is not None and not table.is_contiguous():
             raise ValueError("paged prefill needs a contiguous block table")
         q = q.contiguous()
         out = torch.empty_like(q)
-        status = self._prefill_f32(
+        status = self._prefill[q.dtype](
             q.data_ptr(), k_source.data_ptr(), v_source.data_ptr(), None if table is None else table.data_ptr(),
             block_size, start, t, kv_heads, self.group, head_dim, scale, out.data_ptr(),
         )
