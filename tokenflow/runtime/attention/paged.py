@@ -224,10 +224,11 @@ def attend(
         pieces.append(out.reshape(n, num_heads, head_dim))  # a view unless the kernel's layout differs
 
     for seg in meta.prefills:
-        if meta.native_prefill and meta.native is not None and seg.block_ids is not None:
-            q = q_rows[seg.q_start : seg.q_end]
+        if meta.native_prefill:  # the runner gave every segment its table
+            assert meta.native is not None and seg.block_ids is not None
             pieces.append(meta.native.prefill(
-                q, cache.k_slots[layer], cache.v_slots[layer], seg.block_ids, cache.block_size, seg.start_pos, scale,
+                q_rows[seg.q_start : seg.q_end], cache.k_slots[layer], cache.v_slots[layer], seg.block_ids,
+                cache.block_size, seg.start_pos, scale,
             ))
             continue
         if seg.block_ids is None:  # chunk starts the sequence: its own keys are the whole context

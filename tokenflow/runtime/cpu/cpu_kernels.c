@@ -52,6 +52,21 @@ static inline uint16_t float_to_bf16(float f) /* round to nearest even; inputs a
 
 static inline float round_to_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
+/* Softmax's middle, in place on `n` scores: subtract their max, exponentiate; returns the sum. */
+static inline float exp_minus_max(float *s, int64_t n)
+{
+    float top = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : top)
+    for (int64_t j = 0; j < n; ++j)
+        top = s[j] > top ? s[j] : top;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+        s[j] = expf(s[j] - top);
+        sum += s[j];
+    }
+    return sum;
+}
+
 /* One head's row of bf16 keys or values, widened to fp32 once for the GROUP query heads that use it. */
 static inline void load_row(float row[HEAD_DIM], const uint16_t *src)
 {
@@ -138,16 +153,8 @@ static int paged_decode_widening_bf16(const uint16_t *q, const uint16_t *k_cache
 
             /* softmax per query head, in fp32; probabilities rounded to bf16 */
             for (int64_t h = 0; h < heads; ++h) {
-                float *p = probs + h * max_length, top = -INFINITY, sum = 0.f;
-#pragma omp simd reduction(max : top)
-                for (int64_t t = 0; t < length; ++t)
-                    top = p[t] > top ? p[t] : top;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < length; ++t) {
-                    p[t] = expf(p[t] - top);
-                    sum += p[t];
-                }
-                const float inv = 1.f / sum;
+                float *p = probs + h * max_length;
+                const float inv = 1.f / exp_minus_max(p, length);
 #pragma omp simd
                 for (int64_t t = 0; t < length; ++t)
                     p[t] = round_to_bf16(p[t] * inv);
@@ -231,17 +238,9 @@ static int paged_decode_dot_bf16(const uint16_t *q, const uint16_t *k_cache, con
 
         /* softmax per query head, in fp32; probabilities rounded to bf16 (one zero past the end) */
         for (int64_t h = 0; h < heads; ++h) {
-            float *p = probs + h * max_length, top = -INFINITY, sum = 0.f;
+            float *p = probs + h * max_length;
             uint16_t *ph = pb + h * (max_length + 1);
-#pragma omp simd reduction(max : top)
-            for (int64_t t = 0; t < length; ++t)
-                top = p[t] > top ? p[t] : top;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < length; ++t) {
-                p[t] = expf(p[t] - top);
-                sum += p[t];
-            }
-            const float inv = 1.f / sum;
+            const float inv = 1.f / exp_minus_max(p, length);
 #pragma omp simd
             for (int64_t t = 0; t < length; ++t)
                 ph[t] = float_to_bf16(p[t] * inv);
@@ -345,16 +344,8 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
             }
         }
         for (int64_t h = 0; h < heads; ++h) {
-            float *p = probs + h * max_length, top = -INFINITY, sum = 0.f;
-#pragma omp simd reduction(max : top)
-            for (int64_t t = 0; t < length; ++t)
-                top = p[t] > top ? p[t] : top;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < length; ++t) {
-                p[t] = expf(p[t] - top);
-                sum += p[t];
-            }
-            const float inv = 1.f / sum;
+            float *p = probs + h * max_length;
+            const float inv = 1.f / exp_minus_max(p, length);
 #pragma omp simd
             for (int64_t t = 0; t < length; ++t)
                 p[t] *= inv;
@@ -570,16 +561,9 @@ int paged_prefill_f32(const float *q, const float *k_src, const float *v_src, co
 
             float inv_sum[PREFILL_ROWS];
             for (int r = 0; r < PREFILL_ROWS; ++r) {
-                float *s = scores + r * stride, top = -INFINITY, sum = 0.f;
+                float *s = scores + r * stride;
                 const int64_t seen = visible[r];
-#pragma omp simd reduction(max : top)
-                for (int64_t j = 0; j < seen; ++j)
-                    top = s[j] > top ? s[j] : top;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < seen; ++j) {
-                    s[j] = expf(s[j] - top);
-                    sum += s[j];
-                }
+                const float sum = exp_minus_max(s, seen);
                 for (int64_t j = seen; j < keys; ++j)
                     s[j] = 0.f;
                 inv_sum[r] = 1.f / sum;
@@ -722,20 +706,13 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t 
             }
             const int64_t even = (keys + 1) / 2 * 2;
             for (int r = 0; r < PREFILL_ROWS; ++r) {
-                float *s = scores + r * stride, top = -INFINITY, sum = 0.f;
+                float *s = scores + r * stride;
                 uint16_t *p = probs + r * stride;
                 const int64_t seen = visible[r];
-#pragma omp simd reduction(max : top)
-                for (int64_t j = 0; j < seen; ++j) {
+#pragma omp simd
+                for (int64_t j = 0; j < seen; ++j)
                     s[j] = round_to_bf16(round_to_bf16(s[j]) * scale);
-                    top = s[j] > top ? s[j] : top;
-                }
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < seen; ++j) {
-                    s[j] = expf(s[j] - top);
-                    sum += s[j];
-                }
-                const float inv = 1.f / sum;
+                const float inv = 1.f / exp_minus_max(s, seen);
 #pragma omp simd
                 for (int64_t j = 0; j < seen; ++j)
                     p[j] = float_to_bf16(s[j] * inv);

@@ -76,10 +76,8 @@ class NativeKernels:
         # Caches the prefill kernel takes: its register tiles are 16 floats wide, and its bf16 form needs
         # AVX512-BF16; other dtypes and head sizes keep the torch-ops attention.
         library.prefill_bf16_available.restype = ctypes.c_int
-        self.prefill_dtypes = frozenset(
-            dtype for dtype, built in ((torch.float32, True), (torch.bfloat16, library.prefill_bf16_available() == 1))
-            if built and head_dim % 16 == 0
-        )
+        dtypes = {torch.float32, torch.bfloat16} if library.prefill_bf16_available() else {torch.float32}
+        self.prefill_dtypes = frozenset(dtypes if head_dim % 16 == 0 else ())
         self._rms_norm = library.rms_norm_bf16
         self._rms_norm.argtypes = (_P, _P, _I, _I, ctypes.c_float, _P)
         self._rms_norm.restype = None
