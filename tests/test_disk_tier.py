@@ -123,6 +123,28 @@ async def test_prefetch_in_time_while_queued(tiny_model, expected, tmp_path) -> 
     assert (stats["disk_prefetch_jobs"], stats["disk_prefetch_in_time"], stats["disk_prefetch_late"]) == (1, 1, 0)
 
 
+@pytest.mark.parametrize("prefetcher", [True, False])
+async def test_requests_arriving_together_read_a_shared_prefix_once(tiny_model, expected, tmp_path,
+                                                                    prefetcher) -> None:
+    """Four requests on one warm 7-block prefix: one job reads it, the others wait for it and share it."""
+    await warm_folder(tiny_model, tmp_path)
+    stages = {} if prefetcher else {"request_stages": ["breaker", "disk_tier", "tokenizer"]}
+    async with Engine(tiny_model, **settings(tmp_path, **stages)) as engine:
+        results = []
+
+        async def run() -> None:
+            results.append(await engine.generate(PROMPT, max_tokens=8, temperature=0.0))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(run)
+        stats = engine.stats()
+    assert [r.token_ids for r in results] == [expected["prompt"]] * 4
+    assert [r.usage.cached_tokens for r in results] == [112] * 4
+    assert (stats["disk_blocks_fetched"], stats["disk_blocks_loaded"]) == (7, 7)
+    assert stats["disk_load_jobs"] + stats["disk_prefetch_jobs"] == 1
+
+
 async def test_without_prefetcher_the_batcher_loads_on_admission(tiny_model, expected, tmp_path) -> None:
     await warm_folder(tiny_model, tmp_path)
     stages = ["breaker", "disk_tier", "tokenizer"]

@@ -9,7 +9,11 @@ stopping at the first miss) and the finished job restores them into the
 pool on the event loop, pinned for the request until it is admitted or
 ends. The `prefetcher` stage starts jobs when a request is queued
 (`prefetch`); otherwise the pool starts one when the batcher first tries to
-admit the request (`begin_load`), which then waits while others run.
+admit the request (`begin_load`), which then waits while others run. A
+block is fetched by one job at a time: a request whose next missing block a
+running job already fetches waits for that job and then asks again for what
+is still missing (requests arriving together on one shared prefix read it
+once, not once each).
 
 Loaded values are not trusted: the reader thread drops a block holding a NaN
 or an infinity (and the blocks after it; counted, `discard_block` told) before
@@ -33,6 +37,7 @@ Everything else, including the load counters in `stats()` (prefixed with
 from __future__ import annotations
 
 import abc
+import itertools
 import logging
 import threading
 import time
@@ -60,6 +65,7 @@ class _LoadJob:
     future: Future[Loaded]
     prefetch: bool
     started: float  # time.monotonic()
+    keys: list[BlockKey]
     late: bool = False
 
 
@@ -75,6 +81,7 @@ class BlockTier(abc.ABC):
         self._readers: ThreadPoolExecutor | None = None
         self.writer: ThreadPoolExecutor | None = None  # block writes, and any other write the tier puts behind
         self._jobs: dict[Request, _LoadJob] = {}
+        self._fetching: dict[bytes, _LoadJob] = {}  # block hash -> the running job that fetches it
         self._loaded = RequestSlot[bool]("tier load done")  # its job was installed or given up: never load twice
         self._abandoned: list[Future[Loaded]] = []  # timed-out jobs whose threads may still be busy
         self._write_lock = threading.Lock()
@@ -82,6 +89,7 @@ class BlockTier(abc.ABC):
         self.blocks_written = 0
         self.writes_dropped = 0
         self.blocks_loaded = 0
+        self.blocks_fetched = 0  # read by load jobs; more than blocks_loaded when the pool had no room
         self.load_jobs = 0
         self.prefetch_jobs = 0
         self.prefetch_in_time = 0
@@ -176,8 +184,8 @@ class BlockTier(abc.ABC):
         if self._hung():
             return False
         keys = self.missing_prefix(request)
-        if not keys or not self.might_have(keys[0]):
-            return False
+        if not keys or keys[0].hash in self._fetching or not self.might_have(keys[0]):
+            return False  # (a running job fetches its next block: it asks again when admitted)
         self._start(request, keys, prefetch=True)
         return True
 
@@ -193,15 +201,22 @@ class BlockTier(abc.ABC):
                 return True
             self._install(job)
             return False
-        if self._loaded.get(request) or not keys or self._hung() or not self.might_have(keys[0]):
+        if self._loaded.get(request) or not keys or self._hung():
+            return False
+        if keys[0].hash in self._fetching:
+            return True  # another request's job fetches it: wait for that, then ask again
+        if not self.might_have(keys[0]):
             return False
         self._start(request, keys, prefetch=False)
         return True
 
     def _start(self, request: Request, keys: list[BlockKey], prefetch: bool) -> None:
         assert self._readers is not None
-        future = self._readers.submit(self._fetch_checked, list(keys))
-        self._jobs[request] = _LoadJob(request, future, prefetch, time.monotonic())
+        keys = list(itertools.takewhile(lambda key: key.hash not in self._fetching, keys))
+        future = self._readers.submit(self._fetch_checked, keys)
+        job = self._jobs[request] = _LoadJob(request, future, prefetch, time.monotonic(), keys)
+        for key in keys:
+            self._fetching[key.hash] = job
         if prefetch:
             self.prefetch_jobs += 1
         else:
@@ -210,6 +225,8 @@ class BlockTier(abc.ABC):
     def _fetch_checked(self, keys: list[BlockKey]) -> Loaded:
         """Reader thread: `fetch_blocks`, cut before the first block with a NaN or an infinity."""
         loaded = self.fetch_blocks(keys)
+        with self._write_lock:
+            self.blocks_fetched += len(loaded)
         for i, (key, data) in enumerate(loaded):
             if not bool(torch.isfinite(data).all()):
                 log.warning("%s: block %s holds non-finite values; dropped", self.name, key.hex)
@@ -228,7 +245,7 @@ class BlockTier(abc.ABC):
         """Give up on load jobs running past `load_timeout_s`: their requests recompute."""
         now = time.monotonic()
         for job in [j for j in self._jobs.values() if not j.future.done() and now - j.started >= self.load_timeout_s]:
-            del self._jobs[job.request]
+            self._end(job)
             self._loaded.set(job.request, True)  # never tried again for this request
             self._abandoned.append(job.future)
             self.load_timeouts += 1
@@ -242,9 +259,15 @@ class BlockTier(abc.ABC):
         for job in [j for j in self._jobs.values() if j.future.done()]:
             self._install(job)
 
+    def _end(self, job: _LoadJob) -> None:
+        del self._jobs[job.request]
+        for key in job.keys:
+            if self._fetching.get(key.hash) is job:
+                del self._fetching[key.hash]
+
     def _install(self, job: _LoadJob) -> None:
         request = job.request
-        del self._jobs[request]
+        self._end(job)
         self._loaded.set(request, True)
         if job.prefetch and not job.late:
             self.prefetch_in_time += 1
@@ -262,6 +285,7 @@ class BlockTier(abc.ABC):
     def stats(self) -> dict[str, Any]:
         return {
             f"{self.name}_blocks_loaded": self.blocks_loaded,
+            f"{self.name}_blocks_fetched": self.blocks_fetched,
             f"{self.name}_load_jobs": self.load_jobs,
             f"{self.name}_prefetch_jobs": self.prefetch_jobs,
             f"{self.name}_prefetch_in_time": self.prefetch_in_time,
