@@ -4,7 +4,9 @@ prefetching, and the response cache."""
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import anyio
@@ -15,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.test_oracle import hf_greedy
 from tokenflow import Engine
+from tokenflow.runtime.cpu.openmp_team import loaded_libgomp_paths
 
 PROMPT = list(range(11, 11 + 120))  # 7 full blocks of 16, and a partial one
 OTHERS = [[(7 * i + j) % 390 + 5 for j in range(90)] for i in range(6)]
@@ -143,6 +146,31 @@ async def test_requests_arriving_together_read_a_shared_prefix_once(tiny_model, 
     assert [r.usage.cached_tokens for r in results] == [112] * 4
     assert (stats["disk_blocks_fetched"], stats["disk_blocks_loaded"]) == (7, 7)
     assert stats["disk_load_jobs"] + stats["disk_prefetch_jobs"] == 1
+
+
+def native_threads() -> int:
+    """OS threads of this process that are not Python threads (OpenMP helpers among them)."""
+    python = {t.native_id for t in threading.enumerate()}
+    return sum(1 for tid in os.listdir("/proc/self/task") if int(tid) not in python)
+
+
+@pytest.mark.skipif(not loaded_libgomp_paths(), reason="torch here does not use libgomp")
+async def test_a_load_leaves_no_openmp_helpers_behind(real_model, tmp_path) -> None:
+    """A reader thread's torch ops on a real model's blocks start an OpenMP team; helpers left alive make
+    every parallel region of the model thread sleep and wake (decode ran 2x slower for the rest of a
+    warm-started engine's life)."""
+    prompt = list(range(1000, 1250))  # 15 full blocks
+    config = {"dtype": "float32", "cache_dir": str(tmp_path)}
+    async with Engine(real_model, **config) as engine:
+        cold = await engine.generate(prompt, max_tokens=4, temperature=0.0)
+    async with Engine(real_model, **config) as engine:
+        await engine.generate("the model thread's own team", max_tokens=2, temperature=0.0)
+        before = native_threads()
+        warm = await engine.generate(prompt, max_tokens=4, temperature=0.0)
+        after = native_threads()
+        assert engine.stats()["disk_blocks_fetched"] == 15
+    assert warm.token_ids == cold.token_ids and warm.usage.cached_tokens == 240
+    assert after == before
 
 
 async def test_without_prefetcher_the_batcher_loads_on_admission(tiny_model, expected, tmp_path) -> None:

@@ -51,6 +51,7 @@ import torch
 
 from tokenflow.kv.block_hash import BlockKey
 from tokenflow.request import Request, RequestSlot, RequestStatus
+from tokenflow.runtime.cpu.openmp_team import release_openmp_team
 
 __all__ = ("BlockTier",)
 
@@ -224,6 +225,14 @@ class BlockTier(abc.ABC):
 
     def _fetch_checked(self, keys: list[BlockKey]) -> Loaded:
         """Reader thread: `fetch_blocks`, cut before the first block with a NaN or an infinity."""
+        try:
+            return self._fetch_finite(keys)
+        finally:
+            # The torch ops of a load gave this thread an OpenMP team; left alive, its helpers make the
+            # model thread's every parallel region sleep and wake (decode ran 2x slower after a load).
+            release_openmp_team()
+
+    def _fetch_finite(self, keys: list[BlockKey]) -> Loaded:
         loaded = self.fetch_blocks(keys)
         with self._write_lock:
             self.blocks_fetched += len(loaded)
