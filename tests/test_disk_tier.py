@@ -4,9 +4,7 @@ prefetching, and the response cache."""
 from __future__ import annotations
 
 import errno
-import os
 import shutil
-import threading
 from pathlib import Path
 
 import anyio
@@ -15,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.runtime.test_openmp_team import native_threads, settled_threads
 from tests.test_oracle import hf_greedy
 from tokenflow import Engine
 from tokenflow.runtime.cpu.openmp_team import loaded_libgomp_paths
@@ -148,12 +147,6 @@ async def test_requests_arriving_together_read_a_shared_prefix_once(tiny_model, 
     assert stats["disk_load_jobs"] + stats["disk_prefetch_jobs"] == 1
 
 
-def native_threads() -> int:
-    """OS threads of this process that are not Python threads (OpenMP helpers among them)."""
-    python = {t.native_id for t in threading.enumerate()}
-    return sum(1 for tid in os.listdir("/proc/self/task") if int(tid) not in python)
-
-
 @pytest.mark.skipif(not loaded_libgomp_paths(), reason="torch here does not use libgomp")
 async def test_a_load_leaves_no_openmp_helpers_behind(real_model, tmp_path) -> None:
     """A reader thread's torch ops on a real model's blocks start an OpenMP team; helpers left alive make
@@ -167,7 +160,7 @@ async def test_a_load_leaves_no_openmp_helpers_behind(real_model, tmp_path) -> N
         await engine.generate("the model thread's own team", max_tokens=2, temperature=0.0)
         before = native_threads()
         warm = await engine.generate(prompt, max_tokens=4, temperature=0.0)
-        after = native_threads()
+        after = settled_threads(before, native_threads)
         assert engine.stats()["disk_blocks_fetched"] == 15
     assert warm.token_ids == cold.token_ids and warm.usage.cached_tokens == 240
     assert after == before

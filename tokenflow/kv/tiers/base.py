@@ -270,9 +270,8 @@ class BlockTier(abc.ABC):
 
     def _end(self, job: _LoadJob) -> None:
         del self._jobs[job.request]
-        for key in job.keys:
-            if self._fetching.get(key.hash) is job:
-                del self._fetching[key.hash]
+        for key in job.keys:  # each its own: `_start` gives no job a block another job fetches
+            del self._fetching[key.hash]
 
     def _install(self, job: _LoadJob) -> None:
         request = job.request
