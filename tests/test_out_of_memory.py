@@ -55,6 +55,7 @@ async def test_repeated_out_of_memory_at_batch_16_shrinks_until_the_step_fits(ti
     async with Engine(tiny_model, num_kv_blocks=256, max_num_seqs=16) as engine:
         reference = [c.token_ids for c in await _run_all(engine, prompts, **params)]
     async with Engine(tiny_model, num_kv_blocks=256, max_num_seqs=16, debug_leaks=True) as engine:
+        kv_bytes = engine.stats()["kv_cache_bytes"]
         count = _device_fits(engine, lambda plan: len(plan.chunks) <= 3)  # the "device" fits 3 sequences
         results = await _run_all(engine, prompts, **params)
         stats = engine.stats()
@@ -63,6 +64,11 @@ async def test_repeated_out_of_memory_at_batch_16_shrinks_until_the_step_fits(ti
     assert stats["num_preemptions"] >= 8 and stats["num_failed"] == 0 and stats["num_oom_failures"] == 0
     assert stats["max_num_seqs_effective"] <= 3 and not stats["dead"]
     assert stats["kv_blocks_used"] == 0
+    # the failure repeated: the KV pool gave a quarter of its blocks (and their memory) back, once
+    assert stats["num_kv_pool_shrinks"] == 1 and stats["kv_blocks_total"] == 192
+    assert stats["kv_blocks_free"] + stats["kv_blocks_cached"] == 192
+    assert engine._loop.backend.runner.kv_cache.num_blocks == 192
+    assert stats["kv_cache_bytes"] == kv_bytes * 192 // 256
 
 
 async def test_only_a_request_that_cannot_run_alone_fails(tiny_model) -> None:
@@ -90,6 +96,7 @@ async def test_only_a_request_that_cannot_run_alone_fails(tiny_model) -> None:
     assert [r.token_ids for r in results[3:]] == reference
     assert after.token_ids == reference[0]
     assert stats["num_oom_failures"] == 6 and not stats["dead"] and stats["kv_blocks_used"] == 0
+    assert stats["num_kv_pool_shrinks"] >= 1 and stats["kv_blocks_total"] >= 128  # never below half
     assert stats["max_batch_tokens_effective"] == before["max_batch_tokens_effective"]
     assert stats["max_num_seqs_effective"] == before["max_num_seqs_effective"]
 

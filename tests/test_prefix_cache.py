@@ -102,3 +102,24 @@ async def test_lfu_lru_keeps_hot_prefixes_that_lru_loses(tiny_model) -> None:
     assert lfu["queried_tokens"] == lru["queried_tokens"] > 0
     assert lfu["hot_hit_rate"] > 0.55 and lru["hot_hit_rate"] < 0.45, (lfu, lru)
     assert lfu["hit_tokens"] > 1.5 * lru["hit_tokens"]
+
+
+def test_truncating_the_pool_evicts_cached_tail_blocks_through_the_listeners() -> None:
+    from tokenflow.kv.eviction import LFULRUPolicy
+    from tokenflow.kv.prefix_cache import PrefixCache
+    from tokenflow.params import SamplingParams
+    from tokenflow.request import Request
+
+    pool = PrefixCache(6, 4, policy=LFULRUPolicy())
+    evicted: list[int] = []
+    pool.evict_listeners.append(lambda block, key: evicted.append(block))
+    request = Request(SamplingParams(max_tokens=1), prompt_token_ids=list(range(17)))
+    request.block_table = pool.allocate(5)  # blocks 0..4, four of them full
+    request.num_computed_tokens = 17
+    pool.release(request)  # its four full blocks stay cached, block 4 is free
+    assert pool.num_cached == 4
+    pool.truncate(2)
+    assert sorted(evicted) == [2, 3] and pool.num_cached == 2 and pool.num_free == 0
+    assert pool.num_blocks == 2 and pool.num_used == 0
+    request = Request(SamplingParams(max_tokens=1), prompt_token_ids=list(range(17)))
+    assert pool.lookup_prefix(request).blocks == [0, 1]  # the prefix kept in the first blocks still hits

@@ -300,6 +300,9 @@ class KVPool(Protocol):
     blocks), `evict_listeners` and `commit_listeners` (`(block, key)`, on the event loop),
     `kv.read_block` / `kv.write_block`, `restore(key, data, request)`, `prefix_keys(request)`,
     `resident_prefix(keys)`, `hashed_blocks()`.
+
+    Optional: `truncate(num_blocks)` gives up the ids from `num_blocks` on after repeated device
+    out-of-memory (the step loop preempts their holders first); a pool without it keeps its size.
     """
 
     num_blocks: int

@@ -63,6 +63,10 @@ __all__ = ("MAX_CONSECUTIVE_FAILURES", "KVLeakError", "StepLoop")
 log = logging.getLogger("tokenflow")
 
 MAX_CONSECUTIVE_FAILURES = 3
+# A second out-of-memory step in a row gives the device a quarter of the KV pool back, once per streak,
+# never below half of the pool the engine started with.
+KV_SHRINK_FRACTION = 0.25
+KV_SHRINK_FLOOR = 0.5
 
 
 class KVLeakError(RuntimeError):
@@ -102,7 +106,9 @@ class StepLoop:
         self.num_failed = 0
         self.num_oom_recoveries = 0
         self.num_oom_failures = 0  # requests that ran out of memory even alone
-        self._oom_streak = False  # shrunk for an OOM, no step has run since
+        self._oom_streak = 0  # out-of-memory steps since the last step that ran
+        self.num_kv_pool_shrinks = 0
+        self._kv_floor = int(pool.num_blocks * KV_SHRINK_FLOOR) if pool is not None else 0
         self.num_masked_resamples = 0  # constrained tokens drawn again under their mask (the grammar refused one)
         self.num_rejection_settled = 0  # ... of which fresh unconstrained draws settled, without a mask
         self.last_step_ms = 0.0
@@ -187,8 +193,10 @@ class StepLoop:
             shrink = getattr(scheduler, "shrink", None)
             if shrink is not None and shrink(plan):
                 self.num_oom_recoveries += 1
-                self._oom_streak = True
+                self._oom_streak += 1
                 log.warning("out of memory in a step of %d tokens; shrinking the batch: %s", plan.num_tokens, exc)
+                if self._oom_streak == 2:  # the failure repeats: the KV pool gives memory back too
+                    await self._shrink_kv_pool()
                 return
             self._notify_step(time.perf_counter() - started, False)
             self._out_of_memory_alone(plan, exc)
@@ -201,7 +209,7 @@ class StepLoop:
         self._failures = 0
         self.num_steps += 1
         if self._oom_streak:
-            self._oom_streak = False
+            self._oom_streak = 0
             getattr(scheduler, "oom_recovered", lambda: None)()
         for request, first, entries in output.prompt_logprobs:  # positions not yet scored (a recompute repeats them)
             have = len(request.prompt_logprobs)
@@ -382,12 +390,31 @@ class StepLoop:
             except Exception:  # an observer's bug must not stop the loop (or skip the other observers)
                 log.exception("observer %r failed in on_step", observer)
 
+    async def _shrink_kv_pool(self) -> None:
+        """Free the KV memory of the pool's last blocks: their holders are preempted (they recompute),
+        cached ones are evicted (tiers copy them out), then the backend frees the memory."""
+        pool = self.pool
+        shrink_kv = getattr(self.backend, "shrink_kv", None)
+        truncate = getattr(pool, "truncate", None)
+        vacate = getattr(self.scheduler, "vacate_blocks_from", None)
+        if pool is None or shrink_kv is None or truncate is None or vacate is None:
+            return
+        target = max(pool.num_blocks - int(pool.num_blocks * KV_SHRINK_FRACTION), self._kv_floor, 1)
+        if target >= pool.num_blocks:
+            return
+        vacate(target)
+        before = pool.num_blocks
+        truncate(target)
+        await self.model_thread.run(shrink_kv, target)
+        self.num_kv_pool_shrinks += 1
+        log.warning("out of memory again: the KV pool gave %d of its %d blocks back", before - target, before)
+
     def _out_of_memory_alone(self, plan: StepPlan, exc: torch.OutOfMemoryError) -> None:
         """The step ran out of memory with nothing left to shrink: its request cannot run even alone. It
         fails with an EngineError saying so; this is its size, not an engine fault, so it does not count
         towards the engine's death, and the limits shrunk for it come back."""
         self.num_oom_failures += 1
-        self._oom_streak = False
+        self._oom_streak = 0
         for chunk in plan.chunks:
             request = chunk.request
             error = EngineError(f"out of memory running request {request.request_id} alone "
@@ -439,6 +466,7 @@ class StepLoop:
             "num_failed": self.num_failed,
             "num_oom_recoveries": self.num_oom_recoveries,
             "num_oom_failures": self.num_oom_failures,
+            "num_kv_pool_shrinks": self.num_kv_pool_shrinks,
             "num_masked_resamples": self.num_masked_resamples,
             "num_rejection_settled": self.num_rejection_settled,
             "step_time_ms": round(self.last_step_ms, 2),

@@ -81,3 +81,18 @@ def test_bad_arguments() -> None:
         BlockPool(4, 0)
     with pytest.raises(ValueError):
         BlockPool(4, 16).allocate(-1)
+
+
+def test_truncate_gives_up_the_tail_ids() -> None:
+    pool = BlockPool(8, 16)
+    held = pool.allocate(3)  # 0, 1, 2
+    pool.truncate(5)
+    assert (pool.num_blocks, pool.num_free, pool.num_used) == (5, 2, 3)
+    assert sorted(pool.allocate(2)) == [3, 4]  # never an id past the new end
+    assert not pool.can_allocate(1)
+    pool.free(held)
+    with pytest.raises(ValueError, match="in use"):
+        pool.truncate(4)  # block 4 is still referenced
+    assert pool.num_blocks == 5  # a refused truncate changes nothing
+    with pytest.raises(ValueError):
+        pool.truncate(0)

@@ -78,3 +78,20 @@ def test_bad_geometry() -> None:
             dtype=torch.float32,
             device="cpu",
         )
+
+
+def test_truncate_keeps_the_first_blocks_and_their_contents() -> None:
+    cache = KVCache(num_layers=2, num_kv_heads=2, head_dim=4, num_blocks=6, block_size=4, dtype=torch.float32,
+                    device="cpu", track_key_bounds=True)
+    for block in range(6):
+        cache.write_block(block, torch.full((2, 2, 4, 2, 4), float(block)))
+    kept = [cache.read_block(b) for b in range(4)]
+    cache.truncate(4)
+    assert cache.num_blocks == 4 and cache.version == 1
+    assert all(t.shape[0] == 4 for t in (*cache.k, *cache.v, *cache.k_min, *cache.k_max))
+    assert cache.nbytes == 2 * 2 * 4 * 4 * 2 * 4 * 4  # K and V, 2 layers, 4 blocks of 4 x 2 x 4 floats
+    assert all(torch.equal(cache.read_block(b), kept[b]) for b in range(4))
+    cache.k_slots[1][15].fill_(-1.0)  # the slot views are views of the new tensors
+    assert cache.k[1][3, 3].eq(-1.0).all()
+    with pytest.raises(ValueError):
+        cache.truncate(5)

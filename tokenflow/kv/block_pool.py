@@ -128,6 +128,23 @@ class BlockPool:
         """`block_id` lost its last reference."""
         self._free.append(block_id)
 
+    def truncate(self, num_blocks: int) -> None:
+        """Give up the ids from `num_blocks` on, because the KV memory behind them is being freed
+        (the device ran out of memory repeatedly). Every one of them must be unreferenced: the
+        scheduler preempts their holders first. Cached ones are evicted (listeners copy them out)."""
+        if not 0 < num_blocks <= self._num_blocks:
+            raise ValueError(f"cannot truncate a pool of {self._num_blocks} blocks to {num_blocks}")
+        held = [b for b in range(num_blocks, self._num_blocks) if self._ref_count[b] > 0]
+        if held:
+            raise ValueError(f"cannot truncate to {num_blocks} blocks: {len(held)} past it are in use")
+        self._drop_cached_from(num_blocks)
+        self._free = [b for b in self._free if b < num_blocks]
+        del self._ref_count[num_blocks:]
+        self._num_blocks = num_blocks
+
+    def _drop_cached_from(self, num_blocks: int) -> None:
+        """Move cached blocks at or past `num_blocks` to the free list (none without prefix caching)."""
+
     # -- request level: what the batcher calls ------------------------------------
     def lookup_prefix(self, request: Request) -> PrefixHit | None:
         """The cached prefix a request about to be admitted may share (none here); None means "wait, it

@@ -66,6 +66,7 @@ class KVCache:
         # costs more in page faults than the copy itself on CPU.
         self._gather_k = torch.empty(0, dtype=dtype, device=dev)
         self._gather_v = torch.empty(0, dtype=dtype, device=dev)
+        self.version = 0  # bumped when the tensors above are replaced (`truncate`)
         # attention="topk": per layer, block and KV head, the elementwise min / max of the block's keys.
         self.track_key_bounds = track_key_bounds
         bounds = (num_blocks, num_kv_heads, head_dim)
@@ -75,6 +76,26 @@ class KVCache:
         self.k_max: list[torch.Tensor] = (
             [torch.full(bounds, float("-inf"), dtype=dtype, device=dev) for _ in range(num_layers)]
             if track_key_bounds else [])
+
+    def truncate(self, num_blocks: int) -> None:
+        """Keep blocks `[0, num_blocks)` and free the memory of the rest (the device ran out of memory
+        repeatedly). Layer by layer, so the extra memory it needs is one layer's K or V at a time.
+        Tensors and views change: anything that captured them (CUDA graphs) checks `version`."""
+        if not 0 < num_blocks <= self.num_blocks:
+            raise ValueError(f"cannot truncate a cache of {self.num_blocks} blocks to {num_blocks}")
+        self._gather_k = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._gather_v = torch.empty(0, dtype=self.dtype, device=self.device)
+        flat = (num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        for layer in range(self.num_layers):  # the old tensor and its slot view go together
+            self.k[layer] = self.k[layer][:num_blocks].clone()
+            self.k_slots[layer] = self.k[layer].view(flat)
+            self.v[layer] = self.v[layer][:num_blocks].clone()
+            self.v_slots[layer] = self.v[layer].view(flat)
+            if self.track_key_bounds:
+                self.k_min[layer] = self.k_min[layer][:num_blocks].clone()
+                self.k_max[layer] = self.k_max[layer][:num_blocks].clone()
+        self.num_blocks = num_blocks
+        self.version += 1
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `block_ids` in `layer`, each `[len(block_ids), block_size, kv_heads, head_dim]`.

@@ -98,6 +98,15 @@ class PrefixCache(BlockPool):
         _notify(self.evict_listeners, block, key)  # tiers copy the block out before it is overwritten
         return block
 
+    def _drop_cached_from(self, num_blocks: int) -> None:
+        for block in [b for b in self._key_of if b >= num_blocks and self._ref_count[b] == 0]:
+            self.policy.forget(block)
+            key = self._key_of.pop(block)
+            del self._block_of[key.hash]
+            self.num_evictions += 1
+            _notify(self.evict_listeners, block, key)  # tiers copy it out before its memory goes
+            self._free.append(block)
+
     def _unreferenced(self, block_id: int) -> None:
         if block_id in self._key_of:
             self.policy.on_evictable(block_id)

@@ -281,6 +281,19 @@ class Scheduler:
             return True
         return False
 
+    def vacate_blocks_from(self, num_blocks: int) -> int:
+        """Preempt every running request that holds a KV block at or past `num_blocks`, and drop waiting
+        requests' pins there, so that the pool can give those ids up (`truncate`) after the device
+        ran out of memory repeatedly. Returns how many requests were preempted."""
+        assert self.pool is not None
+        holders = [r for r in self.running if any(b >= num_blocks for b in r.block_table)]
+        for request in holders:
+            self._preempt(request, StepPlan())
+        for request in self.waiting:
+            if any(b >= num_blocks for b in request.pinned_blocks):
+                self._release(request)  # its prefix is looked up again at admission
+        return len(holders)
+
     def oom_recovered(self) -> None:
         """A step ran after out-of-memory shrinking: the smaller limits are what the device fits."""
         self._limits_before_oom = None

@@ -112,6 +112,19 @@ class PagedBackend:
         log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
                  self.kv_bytes / 2**20)
 
+    def shrink_kv(self, num_blocks: int) -> None:
+        """Model thread: free the KV memory of blocks from `num_blocks` on (the pool gave those ids up);
+        the scratch block of padding rows moves to the new end."""
+        assert self.runner is not None
+        kv = self.runner.kv_cache
+        extra = 1 if self.scratch_block >= 0 else 0
+        kv.truncate(num_blocks + extra)
+        if self.scratch_block >= 0:
+            self.scratch_block = num_blocks
+        self.kv_bytes = kv.nbytes
+        if kv.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks back to the device, not just to torch's cache
+
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Blocking: one forward; logits in plan order, `num_logit_rows` rows per chunk (one per sampling
         chunk plus one per draft token, and every row of a chunk that scores prompt tokens)."""
