@@ -1,86 +1,280 @@
-"""The CUDA checks of scripts/gpu_check.sh, printed as one table (run only on a machine with a GPU).
+"""The CUDA checks of scripts/gpu_check.sh, printed as one table and written as JSON.
 
-1. oracle: greedy bf16 tokens of the embedded model through tokenflow on CUDA against transformers' bf16
-   eager forward on CUDA, judged by vLLM's logprob rule (where the tokens first differ, each must be in the
-   other's top 5; nothing after it is compared);
-2. out of memory: the process may use only a little more device memory than the engine holds after start
-   (`torch.cuda.set_per_process_memory_fraction`), then 16 long prompts arrive at once; every caller must
-   get its completion or an EngineError of its own, and the engine must live on;
-3. the throughput bench on CUDA (`tokenflow bench`, run by the shell script after this).
+Each check runs on its own and reports a failure with its traceback, so one run on a lent GPU
+shows everything that works and everything that does not:
+
+1. load: the embedded model in bf16 on the device: weights, the profiled step peak the KV pool
+   leaves free, the pool, the CUDA graphs captured at start;
+2. oracle (tiny): a tiny random-weight Llama in fp32, 10 prompts at once with chunked prefill: greedy
+   tokens identical to transformers' `generate` on the same device (decode steps replayed from graphs);
+3. oracle (real): the embedded model through tokenflow against transformers' eager forward in the same
+   dtype (bf16, then fp32), judged by vLLM's logprob rule: where the greedy tokens first differ, each
+   must be in the other's top 5, and nothing after it is compared;
+4. out of memory: the process may use only part of a largest step's measured peak beyond what the
+   engine holds after start (`torch.cuda.set_per_process_memory_fraction`); 16 long prompts arrive at
+   once; every caller must get its completion (or an EngineError of its own) and no block may leak;
+5. speed: `tokenflow bench`'s closed-loop workload (chat prompts of ~20-600 tokens, 64 new tokens,
+   greedy, EOS ignored, prefix cache off) at concurrency 16 and 1: CUDA graphs, eager, and naive
+   transformers `generate`.
+
+    python scripts/gpu_check.py [MODEL] [--device cuda] [--json FILE]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import anyio
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: tests.test_oracle's helpers
 
-async def oracle(model: str, rows: list[tuple[str, str]]) -> None:
+ROWS: list[tuple[str, str]] = []
+RESULTS: dict[str, Any] = {}
+
+
+def report(name: str, value: str) -> None:
+    ROWS.append((name, value))
+    print(f"[gpu_check] {name}: {value}", flush=True)
+
+
+async def attempt(name: str, check: Callable[[], Awaitable[None]]) -> None:
+    started = time.perf_counter()
+    try:
+        await check()
+    except BaseException as exc:  # every check reports; none stops the others
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        traceback.print_exc()
+        report(name, f"FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+        RESULTS[name] = {"failed": repr(exc)[:2000]}
+    print(f"[gpu_check] {name} took {time.perf_counter() - started:.1f} s", flush=True)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# -- 1. load ---------------------------------------------------------------------------------------
+async def check_load(model: str, device: str) -> None:
+    from tokenflow import Engine
+
+    started = time.perf_counter()
+    async with Engine(model, device=device, dtype="bfloat16") as engine:
+        load_s = time.perf_counter() - started
+        stats = engine.stats()
+        question = "What is the capital of France? Answer in one sentence."
+        done = await engine.chat([{"role": "user", "content": question}], max_tokens=24, temperature=0.0)
+    keys = ("kv_blocks_total", "kv_cache_bytes", "step_peak_bytes", "cuda_graphs", "cuda_graph_capture_s")
+    RESULTS["load"] = {"load_s": round(load_s, 2), "answer": done.text, **{k: stats.get(k) for k in keys}}
+    report("load (bf16)", f"{load_s:.1f} s; KV {stats['kv_blocks_total']} blocks "
+           f"({stats['kv_cache_bytes'] / 2**30:.2f} GiB), step peak {stats.get('step_peak_bytes', 0) / 2**20:.0f} MiB, "
+           f"{stats.get('cuda_graphs', 0)} graphs in {stats.get('cuda_graph_capture_s', 0)} s; "
+           f"answer: {done.text.strip()!r}")
+
+
+# -- 2. oracle on a tiny model ----------------------------------------------------------------------
+async def check_oracle_tiny(device: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_oracle import make_prompts, run_concurrently
+    from tokenflow import Engine
+    from tokenflow.testing import build_tiny_model
+
+    folder = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    prompts = make_prompts(400, [3, 9, 17, 33, 64, 100, 150, 230, 301, 47])
+    async with Engine(folder, device=device, dtype="float32", max_num_seqs=8, max_batch_tokens=128) as engine:
+        outputs = await run_concurrently(engine, prompts, max_tokens=24, stagger_s=0.01)
+        stats = engine.stats()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    same = 0
+    for prompt, got in zip(prompts, outputs):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=24, do_sample=False)
+        same += got == out[0, len(prompt):].tolist()
+    RESULTS["oracle_tiny"] = {"identical": same, "of": len(prompts), "cuda_graphs": stats.get("cuda_graphs", 0),
+                              "leaked_blocks": stats["kv_blocks_used"]}
+    verdict = "ok" if same == len(prompts) and not stats["kv_blocks_used"] else "MISMATCH"
+    report("oracle, tiny Llama fp32 (10 prompts at once)",
+           f"{verdict}: {same}/{len(prompts)} greedy outputs identical to transformers generate; "
+           f"{stats.get('cuda_graphs', 0)} graphs, {stats['kv_blocks_used']} blocks left")
+
+
+# -- 3. oracle on the real model --------------------------------------------------------------------
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three primary colours are",
+           "In 1969, astronauts", "A haiku about autumn:", "SELECT name FROM", "The largest planet is"]
+
+
+async def check_oracle_real(model: str, device: str, dtype: str, cuda_graphs: bool = True) -> None:
     from transformers import AutoModelForCausalLM
 
     from tokenflow import Engine
 
-    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three primary colours are",
-               "In 1969, astronauts", "A haiku about autumn:", "SELECT name FROM", "The largest planet is"]
-    async with Engine(model, device="cuda", dtype="bfloat16") as engine:
-        ours = [await engine.generate(p, max_tokens=32, temperature=0.0, logprobs=5, ignore_eos=True) for p in prompts]
+    async with Engine(model, device=device, dtype=dtype, cuda_graphs=cuda_graphs) as engine:
+        ours = [await engine.generate(p, max_tokens=32, temperature=0.0, logprobs=5, ignore_eos=True)
+                for p in PROMPTS]
         path = engine.loaded.model.name_or_path
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
-    agree = 0
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="eager")
+    hf = hf.to(device).eval()
+    identical = diverged = 0
+    worst = 0.0
     for done in ours:
-        ids = list(done.prompt_token_ids or [])
+        ids = list(done.prompt_token_ids or []) + list(done.token_ids)
+        with torch.no_grad():  # teacher-forced on our tokens: position p predicts token p + 1
+            logits = hf(torch.tensor([ids], device=device)).logits[0].float()
+        start = len(done.prompt_token_ids or [])
         for step, lp in enumerate(done.logprobs or []):
-            with torch.no_grad():
-                logits = hf(torch.tensor([ids], device="cuda")).logits[0, -1].float()
-            top = logits.log_softmax(-1).topk(5).indices.tolist()
-            if top[0] != lp.token_id:  # vLLM's rule: each in the other's top 5, then stop comparing
-                if lp.token_id not in top or top[0] not in lp.top:
-                    raise SystemExit(f"oracle: {done.request_id} step {step}: {lp.token_id} vs {top[0]} out of top 5")
-                break
-            ids.append(lp.token_id)
-            agree += 1
-    rows.append(("oracle (bf16, vLLM's top-5 rule)", f"ok: {agree} tokens identical before any divergence"))
+            ref = logits[start + step - 1].log_softmax(-1)
+            top = ref.topk(5).indices.tolist()
+            worst = max(worst, abs(float(ref[lp.token_id]) - lp.logprob))
+            if top[0] == lp.token_id:
+                identical += 1
+                continue
+            if lp.token_id not in top or top[0] not in lp.top:  # vLLM's rule, then stop comparing
+                raise AssertionError(f"{done.request_id} step {step}: ours {lp.token_id}, transformers "
+                                     f"{top[0]}: not in each other's top 5")
+            diverged += 1
+            break
+    name = f"oracle_{dtype}" + ("" if cuda_graphs else "_eager")
+    RESULTS[name] = {"identical_tokens": identical, "sequences_diverged": diverged, "max_logprob_diff": worst}
+    report(f"oracle, SmolLM2 {dtype}{'' if cuda_graphs else ' (no graphs)'} vs transformers eager",
+           f"ok: {identical} of {32 * len(PROMPTS)} tokens identical, {diverged} sequences diverged within "
+           f"vLLM's top-5 rule; max |logprob diff| {worst:.3f} before any divergence")
 
 
-async def out_of_memory(model: str, rows: list[tuple[str, str]]) -> None:
+# -- 4. out of memory with a real allocation limit --------------------------------------------------
+async def check_out_of_memory(model: str, device: str) -> None:
     from tokenflow import Engine
     from tokenflow.errors import EngineError
 
-    async with Engine(model, device="cuda", dtype="bfloat16", max_num_seqs=16, max_batch_tokens=8192) as engine:
+    if not device.startswith("cuda"):
+        report("out of memory", "skipped: needs CUDA's allocator")
+        return
+    settings = dict(device=device, dtype="bfloat16", max_num_seqs=16, max_batch_tokens=4096, prefix_caching=False)
+    async with Engine(model, **settings) as engine:
+        peak = engine.stats()["step_peak_bytes"]
+        torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_allocated() + 256 * 2**20) / total))
+        headroom = peak // 3  # a largest step does not fit; a third of one does
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + headroom) / total))
         outcomes: list[str] = []
 
         async def one(i: int) -> None:
             try:
-                await engine.generate([100 + (i * 13 + j) % 20000 for j in range(1500)], max_tokens=16,
-                                      ignore_eos=True)
-                outcomes.append("ok")
+                done = await engine.generate([100 + (i * 13 + j) % 20000 for j in range(1500)], max_tokens=16,
+                                             ignore_eos=True, temperature=0.0)
+                outcomes.append("ok" if len(done.token_ids) == 16 else "short")
             except EngineError:
                 outcomes.append("EngineError")
 
-        async with anyio.create_task_group() as tg:
-            for i in range(16):
-                tg.start_soon(one, i)
-        stats = engine.stats()
-        torch.cuda.set_per_process_memory_fraction(1.0)
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(16):
+                    tg.start_soon(one, i)
+            stats = engine.stats()
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    keys = ("num_oom_recoveries", "num_kv_pool_shrinks", "num_oom_failures", "num_preemptions", "kv_blocks_used",
+            "kv_blocks_total", "dead")
+    RESULTS["out_of_memory"] = {"headroom_bytes": headroom, "outcomes": outcomes, **{k: stats[k] for k in keys}}
     if len(outcomes) != 16 or stats["dead"] or stats["kv_blocks_used"]:
-        raise SystemExit(f"out of memory: outcomes {outcomes}, stats {stats}")
-    rows.append(("out of memory (256 MiB of headroom, 16 x 1,500 tokens)",
-                 f"{outcomes.count('ok')} ok, {outcomes.count('EngineError')} failed alone; "
-                 f"{stats['num_oom_recoveries']} recoveries, {stats['num_preemptions']} preemptions"))
+        raise AssertionError(f"outcomes {outcomes}, stats { {k: stats[k] for k in keys} }")
+    report(f"out of memory ({headroom / 2**20:.0f} MiB over the engine, 16 x 1,500 tokens at once)",
+           f"{outcomes.count('ok')} ok, {outcomes.count('EngineError')} failed alone; "
+           f"{stats['num_oom_recoveries']} recoveries, {stats['num_kv_pool_shrinks']} KV pool shrinks "
+           f"(now {stats['kv_blocks_total']} blocks), {stats['num_preemptions']} preemptions, 0 blocks leaked")
 
 
-async def main(model: str) -> None:
-    rows = [("GPU", torch.cuda.get_device_name(0))]
-    await oracle(model, rows)
-    await out_of_memory(model, rows)
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
+# -- 5. speed -----------------------------------------------------------------------------------------
+async def _engine_pass(model: str, device: str, prompts: list[list[int]], concurrency: int,
+                       **settings: Any) -> dict[str, Any]:
+    from tokenflow import Engine
+    from tokenflow.benchmarks.clients import closed_loop, warmup_prompt
+
+    async with Engine(model, device=device, dtype="bfloat16", prefix_caching=False, max_num_seqs=16,
+                      **settings) as engine:
+        async def stream(ids: list[int], max_tokens: int):
+            async for chunk in engine.stream(ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                yield chunk.token_ids
+
+        async for _ in stream(warmup_prompt(engine.loaded.vocab_size), 8):
+            pass
+        result = await closed_loop(stream, prompts, 64, concurrency)
+        result["decode_step_ms_by_batch"] = engine.stats().get("decode_step_ms_by_batch", {})
+    return result
+
+
+async def check_speed(model: str, device: str, requests: int) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenflow.benchmarks.throughput import _run_naive, make_workload
+    from tokenflow.hub import resolve_model
+
+    path = resolve_model(model).path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = make_workload(tokenizer, requests, 20, 600)
+    rows: dict[str, dict[str, Any]] = {}
+    for concurrency in (16, 1):
+        for variant, settings in (("graphs", {}), ("eager", {"cuda_graphs": False})):
+            result = await _engine_pass(model, device, prompts, concurrency, **settings)
+            rows[f"{variant} c{concurrency}"] = result
+            report(f"speed, {variant}, concurrency {concurrency}",
+                   f"{result['req_per_s']:.2f} req/s, {result['out_tok_per_s']:.0f} tok/s, "
+                   f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    naive = _run_naive(SimpleNamespace(max_tokens=64), hf, prompts[: max(requests // 2, 1)], [16, 1])
+    for result in naive:
+        rows[f"naive c{result['concurrency']}"] = result
+    synchronize(device)
+    RESULTS["speed"] = rows
+    for c in (16, 1):
+        g, e, n = rows[f"graphs c{c}"], rows[f"eager c{c}"], rows[f"naive c{c}"]
+        report(f"speed ratios, concurrency {c}",
+               f"graphs/eager {g['req_per_s'] / e['req_per_s']:.2f}x req/s; graphs/naive "
+               f"{g['req_per_s'] / n['req_per_s']:.2f}x req/s (naive {n['req_per_s']:.2f} req/s, "
+               f"{n['out_tok_per_s']:.0f} tok/s, on every other prompt)")
+
+
+async def main(args: argparse.Namespace) -> None:
+    device = args.device
+    if device.startswith("cuda"):
+        report("GPU", f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    import transformers
+
+    report("software", f"transformers {transformers.__version__}, torch {torch.__version__}")
+    checks = {
+        "load": lambda: check_load(args.model, device),
+        "oracle_tiny": lambda: check_oracle_tiny(device),
+        "oracle_bf16": lambda: check_oracle_real(args.model, device, "bfloat16"),
+        "oracle_fp32": lambda: check_oracle_real(args.model, device, "float32"),
+        "oracle_bf16_eager": lambda: check_oracle_real(args.model, device, "bfloat16", cuda_graphs=False),
+        "out_of_memory": lambda: check_out_of_memory(args.model, device),
+        "speed": lambda: check_speed(args.model, device, args.requests),
+    }
+    for name in args.checks.split(","):
+        await attempt(name, checks[name])
+    width = max(len(name) for name, _ in ROWS)
+    print("\n" + "\n".join(f"{name:<{width}}  {value}" for name, value in ROWS))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": ROWS, "results": RESULTS}, indent=1, default=str))
 
 
 if __name__ == "__main__":
-    anyio.run(main, sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="smollm2-135m")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--checks", default="load,oracle_tiny,oracle_bf16,oracle_fp32,oracle_bf16_eager,"
+                                            "out_of_memory,speed")
+    parser.add_argument("--json")
+    anyio.run(main, parser.parse_args())

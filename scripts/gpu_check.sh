@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU: install, run the CUDA checks (oracle, out of memory) and the bench,
-# printing one table each. Nothing here runs on CPU-only machines; until it has run on a GPU, the CUDA
-# paths are unverified.
+# On a machine with an NVIDIA GPU: install tokenflow, then run the CUDA checks of scripts/gpu_check.py (load,
+# oracle against transformers, out of memory under a real allocation limit, speed with and without CUDA
+# graphs against naive transformers) and print one table. Arguments go to gpu_check.py, e.g. --json FILE.
 #
-#   scripts/gpu_check.sh [MODEL]     (default: the embedded smollm2-135m)
+#   scripts/gpu_check.sh [MODEL] [--json FILE]          (default MODEL: the embedded smollm2-135m)
+#
+# Offline (no package index): make tokenflow and its dependencies importable by some python (e.g. wheels
+# installed with `pip install --no-index --target DIR` and DIR on PYTHONPATH) and name it:
+#   TOKENFLOW_GPU_PYTHON=python3 scripts/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-nvidia-smi -L >/dev/null 2>&1 || { echo "no NVIDIA GPU here (nvidia-smi -L failed)" >&2; exit 2; }
-MODEL=${1:-smollm2-135m}
-bash scripts/install.sh            # with nvidia-smi present it installs PyPI's CUDA torch
-.venv/bin/python scripts/gpu_check.py "$MODEL"
-.venv/bin/tokenflow bench --model "$MODEL" --engines paged --concurrency 16,1 --requests 32 --rounds 1 \
-    --dtype bfloat16 --settings '{"device": "cuda"}' --json gpu_bench.json
+nvidia-smi -L || { echo "no NVIDIA GPU here (nvidia-smi -L failed)" >&2; exit 2; }
+python=${TOKENFLOW_GPU_PYTHON:-}
+if [ -z "$python" ]; then
+    bash scripts/install.sh            # with nvidia-smi present it installs PyPI's CUDA torch
+    python=.venv/bin/python
+fi
+PYTHONUNBUFFERED=1 "$python" scripts/gpu_check.py "$@"

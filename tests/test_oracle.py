@@ -59,6 +59,20 @@ async def test_greedy_equals_transformers_generate(tiny_model, backend, packed, 
         assert got == hf_greedy(model, prompt, 24)
 
 
+async def test_fixed_shape_decodes_equal_transformers_generate(tiny_model, monkeypatch) -> None:
+    """Decode steps at the fixed (batch, context) shapes CUDA graphs replay, run eagerly on the CPU:
+    staggered arrivals give every batch bucket and padding rows, and long prompts larger context buckets."""
+    monkeypatch.setattr("tokenflow.runtime.backends.paged.decode_graph_mode", lambda config, device: "eager")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    prompts = make_prompts(400, [3, 9, 17, 33, 64, 100, 150, 230, 301, 47])
+    async with Engine(tiny_model, max_num_seqs=8, max_batch_tokens=128) as engine:
+        outputs = await run_concurrently(engine, prompts, max_tokens=24, stagger_s=0.01)
+        stats = engine.stats()
+    assert stats["fixed_shape_decode_steps"] >= 24 and stats["kv_blocks_used"] == 0
+    for prompt, got in zip(prompts, outputs):
+        assert got == hf_greedy(model, prompt, 24)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
 async def test_paged_greedy_on_other_architectures(tmp_path, arch) -> None:
     from tokenflow.testing import build_tiny_model

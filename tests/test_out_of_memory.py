@@ -119,3 +119,23 @@ async def test_out_of_memory_at_load_names_what_to_lower(tiny_model, monkeypatch
                 pass
     async with Engine(tiny_model, num_kv_blocks=64) as engine:  # nothing was left half-loaded
         assert (await engine.generate("hello", max_tokens=2)).usage.completion_tokens == 2
+
+
+async def test_pool_shrink_moves_the_fixed_shape_decodes_scratch_block(tiny_model, monkeypatch) -> None:
+    """With decode steps at fixed shapes (as CUDA graphs replay them; eager here), the scratch block of
+    padding rows lives past the pool: after the pool shrinks it moves to the new end, and outputs stay."""
+    monkeypatch.setattr("tokenflow.runtime.backends.paged.decode_graph_mode", lambda config, device: "eager")
+    prompts = _prompts(16)
+    params = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    async with Engine(tiny_model, num_kv_blocks=256, max_num_seqs=16) as engine:
+        reference = [c.token_ids for c in await _run_all(engine, prompts, **params)]
+    async with Engine(tiny_model, num_kv_blocks=256, max_num_seqs=16, debug_leaks=True) as engine:
+        graphs = engine._loop.backend.runner.graphs
+        assert graphs is not None and graphs.scratch_block == 256
+        _device_fits(engine, lambda plan: len(plan.chunks) <= 3)
+        results = await _run_all(engine, prompts, **params)
+        stats = engine.stats()
+    assert [r.token_ids for r in results] == reference
+    assert stats["num_kv_pool_shrinks"] == 1 and graphs.scratch_block == 192
+    assert stats["fixed_shape_decode_steps"] >= 12  # the decodes ran through the fixed-shape path
+    assert engine._loop.backend.runner.kv_cache.num_blocks == 193 and stats["kv_blocks_used"] == 0

@@ -153,7 +153,7 @@ def _run_naive(args: argparse.Namespace, model: Any, prompts: list[list[int]],
         streamer = FirstToken()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), generation_config=gen, streamer=streamer)
+            out = model.generate(torch.tensor([ids], device=model.device), generation_config=gen, streamer=streamer)
         done = time.perf_counter()
         services.append(((streamer.first or done) - t0, done - t0))
         out_tokens += out.shape[1] - len(ids)

@@ -79,21 +79,26 @@ class KVCache:
 
     def truncate(self, num_blocks: int) -> None:
         """Keep blocks `[0, num_blocks)` and free the memory of the rest (the device ran out of memory
-        repeatedly). Layer by layer, so the extra memory it needs is one layer's K or V at a time.
-        Tensors and views change: anything that captured them (CUDA graphs) checks `version`."""
+        repeatedly). One tensor at a time; on CUDA the kept part goes through host memory, so the old
+        and new tensors never need device memory at once (the device is out of it by then); the new
+        tensor reuses the old one's memory and the rest of it serves later steps. Tensors and views
+        change: anything that captured them (CUDA graphs) checks `version`."""
         if not 0 < num_blocks <= self.num_blocks:
             raise ValueError(f"cannot truncate a cache of {self.num_blocks} blocks to {num_blocks}")
         self._gather_k = torch.empty(0, dtype=self.dtype, device=self.device)
         self._gather_v = torch.empty(0, dtype=self.dtype, device=self.device)
         flat = (num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
-        for layer in range(self.num_layers):  # the old tensor and its slot view go together
-            self.k[layer] = self.k[layer][:num_blocks].clone()
-            self.k_slots[layer] = self.k[layer].view(flat)
-            self.v[layer] = self.v[layer][:num_blocks].clone()
-            self.v_slots[layer] = self.v[layer].view(flat)
-            if self.track_key_bounds:
-                self.k_min[layer] = self.k_min[layer][:num_blocks].clone()
-                self.k_max[layer] = self.k_max[layer][:num_blocks].clone()
+        for tensors, views in ((self.k, self.k_slots), (self.v, self.v_slots), (self.k_min, None), (self.k_max, None)):
+            for layer in range(len(tensors)):
+                kept = tensors[layer][:num_blocks]
+                if self.device.type == "cuda":
+                    kept = kept.cpu()
+                    tensors[layer] = torch.empty(0, dtype=self.dtype, device=self.device)  # the last references
+                    if views is not None:
+                        views[layer] = tensors[layer]
+                tensors[layer] = kept.to(self.device) if self.device.type == "cuda" else kept.clone()
+                if views is not None:
+                    views[layer] = tensors[layer].view(flat)
         self.num_blocks = num_blocks
         self.version += 1
 

@@ -37,6 +37,7 @@ from tokenflow.runtime.attention.paged import (
 from tokenflow.runtime.attention.sliding import SlidingSegment, build_segment
 from tokenflow.runtime.attention.topk import RECENT_BLOCKS, TopkDecode
 from tokenflow.runtime.cpu.native_kernels import load_native_kernels
+from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.fused_layers import fused_decoder_for
 
 __all__ = ("PagedModelRunner", "SeqChunk", "check_model_supported")
@@ -230,6 +231,7 @@ class PagedModelRunner:
         self._check_attention = "eager" if self.matmul_attention else self._reference_attention
         # Llama-family models: one flat loop of fused ops instead of the HF modules (tokenflow.runtime.fused_layers)
         self.fused = fused_decoder_for(model, pack=pack_weights) if fused_layers else None
+        self.graphs: DecodeGraphs | None = None  # decode-only steps at fixed shapes (set by the backend)
         register()
         try:
             model.set_attn_implementation(ATTENTION_NAME)
@@ -246,10 +248,12 @@ class PagedModelRunner:
 
     # ------------------------------------------------------------------ step
     def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """One forward over `chunks`; returns float32 logits `[rows, vocab]`: `num_logits` rows per
-        sampling chunk, in chunk order."""
+        """One forward over `chunks`; returns float32 logits `[rows, vocab]` on the CPU (the sampler runs
+        there): `num_logits` rows per sampling chunk, in chunk order."""
+        if self.graphs is not None and self.graphs.fits(chunks):
+            return self.graphs.run(chunks)
         step = self.prepare(chunks, self.kv_cache)
-        return self._forward(step)
+        return self._forward(step).cpu()
 
     def _forward(self, step: PackedStep) -> torch.Tensor:
         if self.fused is not None:
@@ -456,8 +460,8 @@ class PagedModelRunner:
                 f"(layers seen: {sorted(set(calls))})"
             )
         with _attention_implementation(self.model, self._check_attention), torch.inference_mode():
-            ref_a = self.model(torch.tensor([a]), use_cache=False).logits[0].float()  # [11, vocab]
-            ref_b = self.model(torch.tensor([b]), use_cache=False).logits[0].float()  # [7, vocab]
+            ref_a = self.model(torch.tensor([a], device=self.device), use_cache=False).logits[0].float()  # [11, vocab]
+            ref_b = self.model(torch.tensor([b], device=self.device), use_cache=False).logits[0].float()  # [7, vocab]
         got = torch.cat(ours)  # rows: b4 | b5, a9 | a10, b6
         want = torch.stack([ref_b[4], ref_b[5], ref_a[9], ref_a[10], ref_b[6]])
         err = ((got - want).norm() / want.norm().clamp_min(1e-6)).item()

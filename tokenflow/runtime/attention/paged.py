@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.runtime.attention.matmul import decode_attention, prefill_attention
 from tokenflow.runtime.attention.sliding import SlidingSegment, sliding_attention
+from tokenflow.runtime.attention.static_decode import StaticDecode, static_decode_attention
 from tokenflow.runtime.attention.topk import TopkDecode, topk_attention, update_key_bounds
 from tokenflow.runtime.cpu.native_kernels import NativeKernels
 
@@ -117,6 +118,7 @@ class PagedAttentionMetadata:
     native: NativeKernels | None = None  # C kernels: decode groups with `lengths` (bf16, fp32), prefill softmax (bf16)
     native_prefill: bool = False  # prefill segments through `native.prefill` (each has its block_ids)
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
+    static_decode: StaticDecode | None = None  # a decode-only step of fixed shapes (CUDA graphs): nothing else
 
 
 def register() -> None:
@@ -199,6 +201,8 @@ def attend(
     cache.v_slots[layer].index_copy_(0, meta.slot_mapping, v_new)
     if cache.track_key_bounds:
         update_key_bounds(cache, layer, meta.slot_mapping, k_new)
+    if meta.static_decode is not None:
+        return static_decode_attention(q_rows, cache, layer, meta.static_decode, scale)
     pieces: list[torch.Tensor] = []  # each [rows, H, D], in packed order
 
     for grp in meta.decodes:

@@ -23,10 +23,11 @@ from tokenflow.protocols import EngineContext, StepPlan
 from tokenflow.runtime.compiled import compile_mlps, decode_buckets, padded_size
 from tokenflow.runtime.cpu.packed_linear import pack_linears
 from tokenflow.runtime.cpu.rms_norm import fuse_rms_norms
+from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.gated_mlp import inplace_gated_mlps
 from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
 
-__all__ = ("PagedBackend", "create", "kv_pool_blocks")
+__all__ = ("PagedBackend", "create", "kv_pool_blocks", "profile_step_peak")
 
 log = logging.getLogger("tokenflow")
 
@@ -43,16 +44,39 @@ def available_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def kv_pool_blocks(config: EngineConfig, bytes_per_block: int, max_model_len: int, device: torch.device) -> int:
-    """Pool size: `num_kv_blocks`, else `kv_cache_bytes`, else a fraction of free memory,
-    never more than every sequence at full length needs."""
+def kv_pool_blocks(config: EngineConfig, bytes_per_block: int, max_model_len: int, device: torch.device,
+                   reserved: int = 0) -> int:
+    """Pool size: `num_kv_blocks`, else `kv_cache_bytes`, else a fraction of the free memory left after
+    `reserved` bytes (a step's measured peak), never more than every sequence at full length needs."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     fraction = config.kv_cache_memory_fraction or _DEFAULT_FRACTION[device.type == "cuda"]
-    budget = config.kv_cache_bytes or int(available_memory(device) * fraction)
+    budget = config.kv_cache_bytes or int(max(available_memory(device) - reserved, 0) * fraction)
     blocks_per_seq = -(-max_model_len // config.block_size)
     ceiling = blocks_per_seq * config.max_num_seqs
     return max(1, min(budget // bytes_per_block, ceiling))
+
+
+def profile_step_peak(runner: PagedModelRunner, num_tokens: int, num_logits: int) -> int:
+    """Device bytes a step of `num_tokens` prompt tokens (`num_logits` of them projected to logits)
+    allocates beyond what is held before it: the activations' peak, measured on CUDA as vLLM does,
+    so that the KV pool leaves room for the largest step the batcher plans."""
+    device = runner.device
+    blocks = -(-num_tokens // runner.block_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    held = torch.cuda.memory_allocated(device)
+    runner.execute([SeqChunk([0] * num_tokens, 0, list(range(blocks)), True, num_logits)])
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - held)
+
+
+def decode_graph_mode(config: EngineConfig, device: torch.device) -> str | None:
+    """How decode-only steps run at fixed shapes (`DecodeGraphs`): "capture" (CUDA graphs) on CUDA with
+    `cuda_graphs`, dense attention and no `compile` (which pads its own); None: the dynamic path."""
+    if config.cuda_graphs and device.type == "cuda" and not config.compile and config.attention_policy.kind == "dense":
+        return "capture"
+    return None
 
 
 class PagedBackend:
@@ -63,53 +87,83 @@ class PagedBackend:
         self.runner: PagedModelRunner | None = None
         self.pool: Any = None
         self.kv_bytes = 0
+        self.step_peak_bytes = 0  # CUDA: the profiled activations' peak the KV budget left free
         self.buckets: list[int] = []  # static decode batch sizes, with `compile`
         self.scratch_block = -1
 
-    def load(self, ctx: EngineContext, model: Any) -> None:
-        dtype = next(model.parameters()).dtype
-        device = next(model.parameters()).device
-        attention = self.config.attention_policy
-        per_block = KVCache.bytes_per_block(model.config, self.config.block_size, dtype)
-        num_blocks = kv_pool_blocks(self.config, per_block, ctx.max_model_len, device)
+    def _kv_cache(self, model: Any, num_blocks: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         layers, kv_heads, head_dim = KVCache.geometry(model.config)
-        # With `compile`, one extra block past the pool's ids takes the K/V of padding rows.
-        extra = 1 if self.config.compile else 0
         try:
-            kv_cache = KVCache(
-                num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_blocks=num_blocks + extra,
+            return KVCache(
+                num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_blocks=num_blocks,
                 block_size=self.config.block_size, dtype=dtype, device=device,
-                track_key_bounds=attention.topk_budget is not None,
+                track_key_bounds=self.config.attention_policy.topk_budget is not None,
             )
         except torch.OutOfMemoryError as exc:
+            per_block = KVCache.bytes_per_block(model.config, self.config.block_size, dtype)
             raise ModelLoadError(
-                f"out of memory allocating the KV cache: {num_blocks + extra} blocks of {per_block} bytes "
-                f"({per_block * (num_blocks + extra) / 2**30:.2f} GiB) on {device}; lower num_kv_blocks, "
+                f"out of memory allocating the KV cache: {num_blocks} blocks of {per_block} bytes "
+                f"({per_block * num_blocks / 2**30:.2f} GiB) on {device}; lower num_kv_blocks, "
                 f"kv_cache_bytes or kv_cache_memory_fraction (or max_model_len x max_num_seqs, which cap it): {exc}"
             ) from exc
-        self.kv_bytes = per_block * (num_blocks + extra)
-        self.pool = registry.load_pool(
-            self.config.kv_pool, self.config, num_blocks=num_blocks, block_size=self.config.block_size,
-            model_key=ctx.model_key, kv=kv_cache,
-        )
+
+    def load(self, ctx: EngineContext, model: Any) -> None:
+        config = self.config
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        attention = config.attention_policy
+        per_block = KVCache.bytes_per_block(model.config, config.block_size, dtype)
+        graphs = decode_graph_mode(config, device)
+        # With `compile` or CUDA graphs, one extra block past the pool's ids takes the K/V of padding rows.
+        extra = 1 if config.compile or graphs else 0
+        # On CUDA without a set size, the runner starts on a cache for one largest step: its forward
+        # measures the activations' peak, and the pool is sized from what is left (vLLM's profiling).
+        profile = device.type == "cuda" and not (config.num_kv_blocks or config.kv_cache_bytes)
+        if profile:
+            num_blocks = -(-config.max_batch_tokens // config.block_size)
+        else:
+            num_blocks = kv_pool_blocks(config, per_block, ctx.max_model_len, device)
+        kv_cache = self._kv_cache(model, num_blocks + extra, dtype, device)
         self.runner = PagedModelRunner(
-            model, kv_cache, max_model_len=ctx.max_model_len, self_check=self.config.self_check,
-            window=attention.window, sinks=self.config.sink_tokens, topk_budget=attention.topk_budget,
-            native_kernels=self.config.native_kernels,
-            fused_layers=self.config.fused_layers and not self.config.compile,  # compile works on the HF modules
-            pack_weights=self.config.pack_cpu_weights,
+            model, kv_cache, max_model_len=ctx.max_model_len, self_check=config.self_check,
+            window=attention.window, sinks=config.sink_tokens, topk_budget=attention.topk_budget,
+            native_kernels=config.native_kernels,
+            fused_layers=config.fused_layers and not config.compile,  # compile works on the HF modules
+            pack_weights=config.pack_cpu_weights,
         )
         # Only once the runner has accepted the model, so that a refused one is left as it came.
         fuse_rms_norms(model, self.runner.native)
         inplace_gated_mlps(model)  # with `compile`, the eager path of shapes it does not compile
-        if self.config.compile:
-            self.buckets = decode_buckets(self.config.max_num_seqs)
-            self.scratch_block = num_blocks
+        if config.compile:
+            self.buckets = decode_buckets(config.max_num_seqs)
             compile_mlps(model, set(self.buckets))
-        elif self.config.pack_cpu_weights and self.runner.fused is None:  # the fused layers pack their own
+        elif config.pack_cpu_weights and self.runner.fused is None:  # the fused layers pack their own
             pack_linears(model)
+        if profile:
+            self.step_peak_bytes = profile_step_peak(
+                self.runner, config.max_batch_tokens, min(config.max_num_seqs, config.max_batch_tokens))
+            del kv_cache
+            self.runner.kv_cache = None  # type: ignore[assignment]  # freed before the pool is sized
+            torch.cuda.empty_cache()
+            num_blocks = kv_pool_blocks(config, per_block, ctx.max_model_len, device, self.step_peak_bytes)
+            kv_cache = self._kv_cache(model, num_blocks + extra, dtype, device)
+            self.runner.kv_cache = kv_cache
+        if extra:
+            self.scratch_block = num_blocks
+        self.kv_bytes = per_block * (num_blocks + extra)
+        self.pool = registry.load_pool(
+            config.kv_pool, config, num_blocks=num_blocks, block_size=config.block_size,
+            model_key=ctx.model_key, kv=kv_cache,
+        )
+        if graphs and self.runner.fused is not None:
+            self.runner.graphs = DecodeGraphs(
+                self.runner.fused, kv_cache, batch_sizes=decode_buckets(config.max_num_seqs),
+                max_model_len=ctx.max_model_len, scratch_block=self.scratch_block, capture=graphs == "capture",
+            )
+            if graphs == "capture":
+                self.runner.graphs.capture_all()
         ctx.pool = self.pool
-        log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.config.block_size,
+        log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size,
                  self.kv_bytes / 2**20)
 
     def shrink_kv(self, num_blocks: int) -> None:
@@ -117,13 +171,15 @@ class PagedBackend:
         the scratch block of padding rows moves to the new end."""
         assert self.runner is not None
         kv = self.runner.kv_cache
+        if self.runner.graphs is not None:
+            self.runner.graphs.release()  # they point at the tensors being replaced
         extra = 1 if self.scratch_block >= 0 else 0
         kv.truncate(num_blocks + extra)
         if self.scratch_block >= 0:
             self.scratch_block = num_blocks
+            if self.runner.graphs is not None:
+                self.runner.graphs.scratch_block = num_blocks
         self.kv_bytes = kv.nbytes
-        if kv.device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the freed blocks back to the device, not just to torch's cache
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Blocking: one forward; logits in plan order, `num_logit_rows` rows per chunk (one per sampling
@@ -154,7 +210,12 @@ class PagedBackend:
     def stats(self) -> dict[str, Any]:
         if self.pool is None:
             return {}
-        return {**self.pool.stats(), "kv_cache_bytes": self.kv_bytes}
+        stats = {**self.pool.stats(), "kv_cache_bytes": self.kv_bytes}
+        if self.step_peak_bytes:
+            stats["step_peak_bytes"] = self.step_peak_bytes
+        if self.runner is not None and self.runner.graphs is not None:
+            stats.update(self.runner.graphs.stats())
+        return stats
 
 
 def create(config: EngineConfig) -> PagedBackend:

@@ -1,0 +1,94 @@
+"""DecodeGraphs: decode steps at fixed (batch, context) shapes, as CUDA graphs replay them.
+
+On the CPU the fixed-shape path runs eagerly (`capture=False`): the same tensors, padding and masks a
+graph records, so its arithmetic is checked here against transformers' forward; the capture itself
+runs only on CUDA (scripts/gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tests.runtime.test_paged_runner import BLOCK, Seq, build, reference_logits
+from tokenflow.kv.block_pool import BlockPool
+from tokenflow.kv.kv_cache import KVCache
+from tokenflow.runtime.decode_graphs import MIN_CONTEXT_BLOCKS, DecodeGraphs, context_buckets
+from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
+
+
+def test_context_buckets() -> None:
+    assert context_buckets(128) == [8, 16, 32, 64, 128]
+    assert context_buckets(100) == [8, 16, 32, 64, 100]
+    assert context_buckets(5) == [5]
+
+
+def _runner(name: str = "llama", num_blocks: int = 96) -> tuple[PagedModelRunner, BlockPool, torch.nn.Module]:
+    model = build(name)
+    ref = copy.deepcopy(model)
+    cache = KVCache.for_model(model.config, num_blocks=num_blocks + 1, block_size=BLOCK, dtype=torch.float32)
+    runner = PagedModelRunner(model, cache)
+    assert runner.fused is not None
+    runner.graphs = DecodeGraphs(runner.fused, cache, batch_sizes=[1, 2, 4, 8], max_model_len=512,
+                                 scratch_block=num_blocks, capture=False)
+    return runner, BlockPool(num_blocks, BLOCK), ref
+
+
+def test_fixed_shape_decodes_equal_transformers_across_buckets() -> None:
+    """Five sequences decode side by side from prompts of 3 to 70 tokens, so the batch is padded (5 -> 8,
+    later fewer) and contexts cross block boundaries and the 8-block context bucket."""
+    runner, pool, ref = _runner()
+    graphs = runner.graphs
+    assert graphs is not None
+    g = torch.Generator().manual_seed(3)
+    lengths = [3, 17, 31, 45, 70]
+    full = [torch.randint(0, 256, (n + 24,), generator=g).tolist() for n in lengths]
+    refs = [reference_logits(ref, tokens) for tokens in full]
+    seqs = [Seq(tokens[:n]) for tokens, n in zip(full, lengths)]
+    runner.execute([s.chunk(pool, 128) for s in seqs])  # the prompts, through the dynamic path
+    for s, tokens in zip(seqs, full):
+        s.tokens.append(tokens[len(s.tokens)])
+    compared = 0
+    for step in range(23):
+        active = [i for i in range(len(seqs)) if step < 23 - 4 * (i % 2)]  # odd ones stop early: 5 -> 3 rows
+        chunks = [seqs[i].chunk(pool, 1) for i in active]
+        assert graphs.fits(chunks)
+        logits = runner.execute(chunks)
+        assert logits.shape == (len(chunks), 256)
+        for row, i, c in zip(logits, active, chunks):
+            torch.testing.assert_close(row, refs[i][c.start_pos], atol=1e-4, rtol=1e-4, msg=f"seq {i} step {step}")
+            seqs[i].tokens.append(full[i][len(seqs[i].tokens)])
+            compared += 1
+    assert compared == 23 * 3 + 19 * 2
+    assert max(len(s.blocks) for s in seqs) > MIN_CONTEXT_BLOCKS  # a larger context bucket was used
+
+
+def test_padding_rows_write_only_the_scratch_block() -> None:
+    runner, pool, _ = _runner()
+    assert runner.graphs is not None
+    seqs = [Seq(list(range(5 + 7 * i, 14 + 7 * i))) for i in range(3)]
+    runner.execute([s.chunk(pool, 64) for s in seqs])
+    for s in seqs:
+        s.tokens.append(11)
+    before = [t.clone() for t in (*runner.kv_cache.k, *runner.kv_cache.v)]
+    chunks = [s.chunk(pool, 1) for s in seqs]  # 3 rows, padded to 4
+    runner.execute(chunks)
+    written = {c.block_table[c.start_pos // BLOCK] * BLOCK + c.start_pos % BLOCK for c in chunks}
+    scratch = runner.graphs.scratch_block
+    for old, new in zip(before, (*runner.kv_cache.k, *runner.kv_cache.v)):
+        changed = (old != new).flatten(1).any(1).nonzero().flatten().tolist()  # [blocks] changed
+        slots = {b * BLOCK + o for b in changed for o in range(BLOCK) if not torch.equal(old[b, o], new[b, o])}
+        assert slots - written <= {scratch * BLOCK}
+
+
+def test_steps_that_do_not_fit_take_the_dynamic_path() -> None:
+    runner, pool, _ = _runner()
+    graphs = runner.graphs
+    assert graphs is not None
+    seq = Seq(list(range(20)))
+    chunk = seq.chunk(pool, 8)
+    assert not graphs.fits([chunk])  # a prefill chunk
+    assert not graphs.fits([SeqChunk([1], 3, [0], False)])  # not sampled
+    assert not graphs.fits([SeqChunk([1], 600, list(range(151)), True)])  # past max_model_len
+    assert not graphs.fits([SeqChunk([1], 3, [0], True)] * 9)  # more rows than the largest bucket

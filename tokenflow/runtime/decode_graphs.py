@@ -1,0 +1,197 @@
+"""Decode-only steps replayed from CUDA graphs (`cuda_graphs`, on by default on CUDA).
+
+Why: a decode step of a small model on a GPU is bound by launching its ~20 kernels per layer from
+Python, not by the GPU's work. A CUDA graph records the step's kernels once and replays them in one
+launch. vLLM and gpt-fast do the same for the same reason.
+
+A graph replays fixed shapes on fixed buffers, so each step is padded to a bucket:
+- batch: the decode batch sizes of `decode_buckets` (1, 2, 4, ... `max_num_seqs`); padding rows
+  write their K/V into a scratch block that no sequence owns and are never sampled;
+- context: a power-of-two count of blocks (at least `MIN_CONTEXT_BLOCKS`); each row gathers that
+  many blocks from its row of a padded block table, and a mask hides keys past its own length
+  (`attention.static_decode`).
+A step's inputs (token, position, slot, length and block table of each row) are packed on the host
+into one pinned buffer and copied to the device in one transfer; the graph reads them from there.
+
+Every (batch, context) bucket is captured at start, largest first, into one shared memory pool
+(graphs of one engine never run at the same time). Graphs point at the KV cache's tensors, so
+they are captured again when the cache is replaced (`KVCache.version`, after an out-of-memory
+shrink). With `capture=False` the same fixed-shape path runs eagerly: that is how the CPU tests
+check its arithmetic against the dynamic path, and the fallback on a device without graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenflow.kv.kv_cache import KVCache
+from tokenflow.runtime.attention.paged import PagedAttentionMetadata
+from tokenflow.runtime.attention.static_decode import StaticDecode
+
+if TYPE_CHECKING:
+    from tokenflow.runtime.fused_layers import FusedDecoder
+    from tokenflow.runtime.paged_runner import SeqChunk
+
+__all__ = ("MIN_CONTEXT_BLOCKS", "DecodeGraphs", "context_buckets")
+
+log = logging.getLogger("tokenflow")
+
+MIN_CONTEXT_BLOCKS = 8  # the smallest context bucket: shorter contexts share one graph
+
+
+def context_buckets(max_blocks: int) -> list[int]:
+    """Powers of two from `MIN_CONTEXT_BLOCKS` below `max_blocks`, and `max_blocks` itself."""
+    sizes, n = [], MIN_CONTEXT_BLOCKS
+    while n < max_blocks:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, max_blocks]
+
+
+def _bucket(n: int, sizes: list[int]) -> int:
+    return next(size for size in sizes if size >= n)
+
+
+class DecodeGraphs:
+    """Runs decode-only steps of a `FusedDecoder` at fixed shapes, replayed from CUDA graphs."""
+
+    def __init__(
+        self, decoder: FusedDecoder, kv_cache: KVCache, *, batch_sizes: list[int], max_model_len: int,
+        scratch_block: int, capture: bool,
+    ) -> None:
+        self.decoder = decoder
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_rows = self.batch_sizes[-1]
+        self.max_blocks = -(-max_model_len // self.block_size)
+        self.context_sizes = context_buckets(self.max_blocks)
+        self.scratch_block = scratch_block
+        self.capture = capture
+        device = kv_cache.device
+        rows, blocks = self.max_rows, self.max_blocks
+        # One int64 buffer: ids | positions | slots | lengths (rows each) | block table (rows x blocks).
+        self._size = 4 * rows + rows * blocks
+        self._host = torch.empty(self._size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._host_np = self._host.numpy()  # numpy writes from Python lists are far cheaper than tensor ones
+        self._device = torch.empty(self._size, dtype=torch.long, device=device)
+        self.ids, self.positions, self.slots, self.lengths = self._device[: 4 * rows].view(4, rows)
+        self.table = self._device[4 * rows:].view(rows, blocks)
+        self.rows = torch.arange(rows, device=device)
+        self.key_positions = torch.arange(blocks * self.block_size, device=device)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self._version = -1
+        self.capture_seconds = 0.0
+        self.num_steps = 0  # steps run at fixed shapes (replayed, or eager without graphs)
+
+    # ----------------------------------------------------------------- step
+    def fits(self, chunks: Sequence[SeqChunk]) -> bool:
+        """Whether the step is decode-only (one sampled token per chunk) and within the buckets."""
+        if not 0 < len(chunks) <= self.max_rows:
+            return False
+        limit = self.max_blocks * self.block_size
+        return all(len(c.token_ids) == 1 and c.sample and c.num_logits == 1 and c.start_pos < limit for c in chunks)
+
+    def run(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        """float32 logits `[len(chunks), vocab]` on the CPU, of a step that `fits`."""
+        if self.capture and self._version != self.kv_cache.version:
+            self.capture_all()
+        n = len(chunks)
+        rows = _bucket(n, self.batch_sizes)
+        blocks = _bucket(max(-(-(c.start_pos + 1) // self.block_size) for c in chunks), self.context_sizes)
+        self._stage(chunks, rows)
+        self.num_steps += 1
+        graph, out = self._graphs.get((rows, blocks), (None, None))
+        if graph is not None and out is not None:
+            graph.replay()
+            return out[:n].cpu()  # a copy: the next replay overwrites `out`; it waits for the graph
+        with torch.inference_mode():
+            return self._forward(rows, blocks)[:n].cpu()
+
+    def _stage(self, chunks: Sequence[SeqChunk], rows: int) -> None:
+        """Pack the step's inputs (padding rows after the real ones) and copy them to the device at once.
+        The host buffer is free to rewrite: the last step's copy finished before its logits came back."""
+        bs, width, scratch = self.block_size, self.max_blocks, self.scratch_block
+        cap = self.max_rows
+        ids, positions, slots, lengths = self._host_np[: 4 * cap].reshape(4, cap)
+        table = self._host_np[4 * cap:].reshape(cap, width)
+        for i, c in enumerate(chunks):
+            pos = c.start_pos
+            ids[i] = c.token_ids[0]
+            positions[i] = pos
+            slots[i] = c.block_table[pos // bs] * bs + pos % bs
+            lengths[i] = pos + 1
+            used = pos // bs + 1
+            table[i, :used] = c.block_table[:used]
+            table[i, used:] = scratch
+        if len(chunks) < rows:
+            self._pad(len(chunks), rows)
+        self._device.copy_(self._host, non_blocking=True)
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows `start:end` of the host buffer: token 0 at position 0 in the scratch block."""
+        cap = self.max_rows
+        ids, positions, slots, lengths = self._host_np[: 4 * cap].reshape(4, cap)
+        ids[start:end] = 0
+        positions[start:end] = 0
+        slots[start:end] = self.scratch_block * self.block_size
+        lengths[start:end] = 1
+        self._host_np[4 * cap:].reshape(cap, self.max_blocks)[start:end] = self.scratch_block
+
+    def _forward(self, rows: int, blocks: int) -> torch.Tensor:
+        """The fixed-shape decode over the device buffers; float32 logits `[rows, vocab]`."""
+        keys = blocks * self.block_size
+        mask = (self.key_positions[:keys][None, :] < self.lengths[:rows, None]).view(rows, 1, 1, keys)
+        meta = PagedAttentionMetadata(
+            kv_cache=self.kv_cache, slot_mapping=self.slots[:rows], num_tokens=rows, max_context=keys,
+            decodes=(), prefills=(), static_decode=StaticDecode(self.table[:rows, :blocks], mask),
+        )
+        ids, positions = self.ids[:rows].view(1, rows), self.positions[:rows].view(1, rows)
+        return self.decoder(ids, positions, self.rows[:rows], meta).float()
+
+    # -------------------------------------------------------------- capture
+    def release(self) -> None:
+        """Drop the graphs and their memory (before the KV cache's tensors change); the next step
+        captures them again."""
+        self._graphs.clear()
+        self._version = -1
+        if self.kv_cache.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def capture_all(self) -> None:
+        """Capture every (batch, context) bucket, largest first, into one memory pool."""
+        started = time.perf_counter()
+        self._graphs.clear()
+        torch.cuda.synchronize(self.kv_cache.device)
+        pool = torch.cuda.graph_pool_handle()
+        self._pad(0, self.max_rows)  # capturing writes only into the scratch block
+        self._device.copy_(self._host)
+        for rows in reversed(self.batch_sizes):
+            for blocks in reversed(self.context_sizes):
+                self._graphs[(rows, blocks)] = self._capture(lambda r=rows, b=blocks: self._forward(r, b), pool)
+        torch.cuda.synchronize(self.kv_cache.device)
+        self._version = self.kv_cache.version
+        self.capture_seconds = time.perf_counter() - started
+        log.info("CUDA graphs: %d decode buckets captured in %.1f s (batch %s x context blocks %s)",
+                 len(self._graphs), self.capture_seconds, self.batch_sizes, self.context_sizes)
+
+    def _capture(self, forward: Callable[[], torch.Tensor], pool: tuple[int, int]
+                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = torch.cuda.Stream(self.kv_cache.device)
+        stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            forward()  # warm-up outside the graph: lazy initialisation (cuBLAS handles, workspaces)
+        torch.cuda.current_stream(self.kv_cache.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+            out = forward()
+        return graph, out
+
+    def stats(self) -> dict[str, float | int]:
+        return {"cuda_graphs": len(self._graphs), "cuda_graph_capture_s": round(self.capture_seconds, 2),
+                "fixed_shape_decode_steps": self.num_steps}
