@@ -75,11 +75,13 @@ async def check_load(model: str, device: str) -> None:
         stats = engine.stats()
         question = "What is the capital of France? Answer in one sentence."
         done = await engine.chat([{"role": "user", "content": question}], max_tokens=24, temperature=0.0)
-    keys = ("kv_blocks_total", "kv_cache_bytes", "step_peak_bytes", "cuda_graphs", "cuda_graph_capture_s")
+    keys = ("kv_blocks_total", "kv_cache_bytes", "step_peak_bytes", "cuda_graphs", "cuda_graph_capture_s",
+            "cuda_graph_error")
     RESULTS["load"] = {"load_s": round(load_s, 2), "answer": done.text, **{k: stats.get(k) for k in keys}}
     report("load (bf16)", f"{load_s:.1f} s; KV {stats['kv_blocks_total']} blocks "
            f"({stats['kv_cache_bytes'] / 2**30:.2f} GiB), step peak {stats.get('step_peak_bytes', 0) / 2**20:.0f} MiB, "
-           f"{stats.get('cuda_graphs', 0)} graphs in {stats.get('cuda_graph_capture_s', 0)} s; "
+           f"{stats.get('cuda_graphs', 0)} graphs in {stats.get('cuda_graph_capture_s', 0)} s "
+           f"{stats.get('cuda_graph_error') or ''}; "
            f"answer: {done.text.strip()!r}")
 
 
@@ -210,7 +212,9 @@ async def _engine_pass(model: str, device: str, prompts: list[list[int]], concur
         async for _ in stream(warmup_prompt(engine.loaded.vocab_size), 8):
             pass
         result = await closed_loop(stream, prompts, 64, concurrency)
-        result["decode_step_ms_by_batch"] = engine.stats().get("decode_step_ms_by_batch", {})
+        stats = engine.stats()
+    result["decode_step_ms_by_batch"] = stats.get("decode_step_ms_by_batch", {})
+    result["fixed_shape_decode_steps"] = stats.get("fixed_shape_decode_steps", 0)
     return result
 
 
@@ -228,9 +232,13 @@ async def check_speed(model: str, device: str, requests: int) -> None:
         for variant, settings in (("graphs", {}), ("eager", {"cuda_graphs": False})):
             result = await _engine_pass(model, device, prompts, concurrency, **settings)
             rows[f"{variant} c{concurrency}"] = result
+            steps = result["decode_step_ms_by_batch"]
+            step = steps.get(concurrency) or steps.get(str(concurrency)) or {}
             report(f"speed, {variant}, concurrency {concurrency}",
                    f"{result['req_per_s']:.2f} req/s, {result['out_tok_per_s']:.0f} tok/s, "
-                   f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms")
+                   f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms; decode step at batch {concurrency}: "
+                   f"{step.get('step', float('nan')):.2f} ms (forward {step.get('forward', float('nan')):.2f}); "
+                   f"{result['fixed_shape_decode_steps']} steps at fixed shapes")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     naive = _run_naive(SimpleNamespace(max_tokens=64), hf, prompts[: max(requests // 2, 1)], [16, 1])
     for result in naive:

@@ -88,6 +88,7 @@ class PagedBackend:
         self.pool: Any = None
         self.kv_bytes = 0
         self.step_peak_bytes = 0  # CUDA: the profiled activations' peak the KV budget left free
+        self.graph_error: str | None = None  # why CUDA graphs are off although asked for
         self.buckets: list[int] = []  # static decode batch sizes, with `compile`
         self.scratch_block = -1
 
@@ -161,7 +162,13 @@ class PagedBackend:
                 max_model_len=ctx.max_model_len, scratch_block=self.scratch_block, capture=graphs == "capture",
             )
             if graphs == "capture":
-                self.runner.graphs.capture_all()
+                try:
+                    self.runner.graphs.capture_all()
+                except Exception as exc:  # e.g. a runtime without graph capture: the dynamic path serves
+                    log.exception("CUDA graph capture failed; decode steps run without graphs")
+                    self.runner.graphs = None
+                    self.graph_error = repr(exc)
+                    torch.cuda.empty_cache()
         ctx.pool = self.pool
         log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size,
                  self.kv_bytes / 2**20)
@@ -215,6 +222,8 @@ class PagedBackend:
             stats["step_peak_bytes"] = self.step_peak_bytes
         if self.runner is not None and self.runner.graphs is not None:
             stats.update(self.runner.graphs.stats())
+        if self.graph_error:
+            stats["cuda_graph_error"] = self.graph_error
         return stats
 
 
