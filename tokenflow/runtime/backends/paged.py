@@ -141,8 +141,12 @@ class PagedBackend:
         elif config.pack_cpu_weights and self.runner.fused is None:  # the fused layers pack their own
             pack_linears(model)
         if profile:
-            self.step_peak_bytes = profile_step_peak(
-                self.runner, config.max_batch_tokens, min(config.max_num_seqs, config.max_batch_tokens))
+            try:
+                self.step_peak_bytes = profile_step_peak(
+                    self.runner, config.max_batch_tokens, min(config.max_num_seqs, config.max_batch_tokens))
+            except torch.OutOfMemoryError as exc:
+                raise ModelLoadError(f"out of memory in a step of max_batch_tokens={config.max_batch_tokens} "
+                                     f"tokens with no KV pool yet: lower max_batch_tokens: {exc}") from exc
             del kv_cache
             self.runner.kv_cache = None  # type: ignore[assignment]  # freed before the pool is sized
             torch.cuda.empty_cache()
