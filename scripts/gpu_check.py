@@ -218,7 +218,13 @@ async def _engine_pass(model: str, device: str, prompts: list[list[int]], concur
     return result
 
 
-async def check_speed(model: str, device: str, requests: int) -> None:
+SPEED_VARIANTS: dict[str, dict[str, Any]] = {
+    "graphs": {}, "eager": {"cuda_graphs": False}, "graphs-2048": {"max_batch_tokens": 2048},
+}
+
+
+async def check_speed(model: str, device: str, requests: int, variants: list[str], concurrencies: list[int],
+                      naive: bool) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tokenflow.benchmarks.throughput import _run_naive, make_workload
@@ -228,9 +234,9 @@ async def check_speed(model: str, device: str, requests: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = make_workload(tokenizer, requests, 20, 600)
     rows: dict[str, dict[str, Any]] = {}
-    for concurrency in (16, 1):
-        for variant, settings in (("graphs", {}), ("eager", {"cuda_graphs": False})):
-            result = await _engine_pass(model, device, prompts, concurrency, **settings)
+    for concurrency in concurrencies:
+        for variant in variants:
+            result = await _engine_pass(model, device, prompts, concurrency, **SPEED_VARIANTS[variant])
             rows[f"{variant} c{concurrency}"] = result
             steps = result["decode_step_ms_by_batch"]
             step = steps.get(concurrency) or steps.get(str(concurrency)) or {}
@@ -239,18 +245,92 @@ async def check_speed(model: str, device: str, requests: int) -> None:
                    f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms; decode step at batch {concurrency}: "
                    f"{step.get('step', float('nan')):.2f} ms (forward {step.get('forward', float('nan')):.2f}); "
                    f"{result['fixed_shape_decode_steps']} steps at fixed shapes")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-    naive = _run_naive(SimpleNamespace(max_tokens=64), hf, prompts[: max(requests // 2, 1)], [16, 1])
-    for result in naive:
-        rows[f"naive c{result['concurrency']}"] = result
-    synchronize(device)
     RESULTS["speed"] = rows
-    for c in (16, 1):
-        g, e, n = rows[f"graphs c{c}"], rows[f"eager c{c}"], rows[f"naive c{c}"]
-        report(f"speed ratios, concurrency {c}",
-               f"graphs/eager {g['req_per_s'] / e['req_per_s']:.2f}x req/s; graphs/naive "
-               f"{g['req_per_s'] / n['req_per_s']:.2f}x req/s (naive {n['req_per_s']:.2f} req/s, "
-               f"{n['out_tok_per_s']:.0f} tok/s, on every other prompt)")
+    if naive:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+        for result in _run_naive(SimpleNamespace(max_tokens=64), hf, prompts[: max(requests // 2, 1)], concurrencies):
+            rows[f"naive c{result['concurrency']}"] = result
+        synchronize(device)
+    for c in concurrencies:
+        base = rows[f"{variants[0]} c{c}"]
+        ratios = [f"{variants[0]}/{other} {base['req_per_s'] / rows[f'{other} c{c}']['req_per_s']:.2f}x req/s"
+                  for other in variants[1:]]
+        if naive:
+            n = rows[f"naive c{c}"]
+            ratios.append(f"{variants[0]}/naive {base['req_per_s'] / n['req_per_s']:.2f}x req/s (naive "
+                          f"{n['req_per_s']:.2f} req/s, {n['out_tok_per_s']:.0f} tok/s, on every other prompt)")
+        report(f"speed ratios, concurrency {c}", "; ".join(ratios))
+
+
+# -- 6. where an eager step's time goes ---------------------------------------------------------------
+async def check_profile(model: str, device: str) -> None:
+    """Eager (graph-free) steps of fixed compositions timed under each SDPA backend, and the top ops of a
+    batch-16 decode step by device and host time: what the steps that graphs do not cover cost."""
+    import math
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tokenflow import Engine
+    from tokenflow.runtime.paged_runner import SeqChunk
+
+    async with Engine(model, device=device, dtype="bfloat16", cuda_graphs=False, prefix_caching=False,
+                      max_num_seqs=16) as engine:
+        runner = engine._loop.backend.runner
+        bs = runner.block_size
+
+        def decodes(n: int, low: int = 100, high: int = 700) -> list[SeqChunk]:
+            lengths = [low + (high - low) * i // max(n - 1, 1) for i in range(n)]
+            return [SeqChunk([5], ctx, list(range(i * 64, i * 64 + ctx // bs + 1)), True)
+                    for i, ctx in enumerate(lengths)]
+
+        def prefill(tokens: int, start: int) -> SeqChunk:
+            return SeqChunk([7] * tokens, start, list(range(2000, 2000 + (start + tokens) // bs + 1)), True)
+
+        cases = {"decode x16 (ctx 100-700)": decodes(16), "decode x1 (ctx 400)": decodes(1, 400, 400),
+                 "15 decodes + 400-token prefill": [*decodes(15), prefill(400, 0)],
+                 "prefill 512": [prefill(512, 0)], "prefill 256 after 256 cached": [prefill(256, 256)]}
+
+        def timed(chunks: list[SeqChunk], reps: int = 5) -> float:
+            runner.execute(chunks)
+            times = []
+            for _ in range(reps):
+                started = time.perf_counter()
+                runner.execute(chunks)  # logits come back to the host: synchronised
+                times.append((time.perf_counter() - started) * 1e3)
+            return sorted(times)[reps // 2]
+
+        backends = {"default": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH],
+                    "cudnn": [SDPBackend.CUDNN_ATTENTION], "flash+efficient": [SDPBackend.FLASH_ATTENTION,
+                                                                                SDPBackend.EFFICIENT_ATTENTION]}
+        table: dict[str, dict[str, float | str]] = {}
+        for name, chunks in cases.items():
+            table[name] = {}
+            for label, choice in backends.items():
+                try:
+                    if choice is None:
+                        table[name][label] = round(timed(chunks), 2)
+                    else:
+                        with sdpa_kernel(choice):
+                            table[name][label] = round(timed(chunks), 2)
+                except Exception as exc:
+                    table[name][label] = f"{type(exc).__name__}"
+            slack, runner.decode_group_slack = runner.decode_group_slack, math.inf
+            table[name]["one decode group"] = round(timed(chunks), 2)
+            runner.decode_group_slack = slack
+            report(f"profile: {name}", ", ".join(f"{k} {v} ms" if isinstance(v, float) else f"{k} {v}"
+                                                 for k, v in table[name].items()))
+        RESULTS["profile_ms"] = table
+        if device.startswith("cuda"):
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                runner.execute(cases["decode x16 (ctx 100-700)"])
+            averages = prof.key_averages()
+            for key in ("self_cuda_time_total", "self_cpu_time_total"):
+                try:
+                    print(averages.table(sort_by=key, row_limit=14), flush=True)
+                except Exception as exc:
+                    print(f"profile table by {key}: {exc}", flush=True)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -267,7 +347,9 @@ async def main(args: argparse.Namespace) -> None:
         "oracle_fp32": lambda: check_oracle_real(args.model, device, "float32"),
         "oracle_bf16_eager": lambda: check_oracle_real(args.model, device, "bfloat16", cuda_graphs=False),
         "out_of_memory": lambda: check_out_of_memory(args.model, device),
-        "speed": lambda: check_speed(args.model, device, args.requests),
+        "speed": lambda: check_speed(args.model, device, args.requests, args.speed_variants.split(","),
+                                     [int(c) for c in args.concurrency.split(",")], not args.no_naive),
+        "profile": lambda: check_profile(args.model, device),
     }
     for name in args.checks.split(","):
         await attempt(name, checks[name])
@@ -284,5 +366,8 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--checks", default="load,oracle_tiny,oracle_bf16,oracle_fp32,oracle_bf16_eager,"
                                             "out_of_memory,speed")
+    parser.add_argument("--speed-variants", default="graphs,eager", help=f"of {', '.join(SPEED_VARIANTS)}")
+    parser.add_argument("--concurrency", default="16,1")
+    parser.add_argument("--no-naive", action="store_true", help="skip naive transformers in the speed check")
     parser.add_argument("--json")
     anyio.run(main, parser.parse_args())

@@ -7,11 +7,11 @@
 #
 # Offline (no package index): make tokenflow and its dependencies importable by some python (e.g. wheels
 # installed with `pip install --no-index --target DIR` and DIR on PYTHONPATH) and name it:
-#   TOKENFLOW_GPU_PYTHON=python3 scripts/gpu_check.sh
+#   GPU_CHECK_PYTHON=python3 scripts/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi -L || { echo "no NVIDIA GPU here (nvidia-smi -L failed)" >&2; exit 2; }
-python=${TOKENFLOW_GPU_PYTHON:-}
+python=${GPU_CHECK_PYTHON:-}
 if [ -z "$python" ]; then
     bash scripts/install.sh            # with nvidia-smi present it installs PyPI's CUDA torch
     python=.venv/bin/python

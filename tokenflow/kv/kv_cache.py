@@ -79,10 +79,11 @@ class KVCache:
 
     def truncate(self, num_blocks: int) -> None:
         """Keep blocks `[0, num_blocks)` and free the memory of the rest (the device ran out of memory
-        repeatedly). One tensor at a time; on CUDA the kept part goes through host memory, so the old
-        and new tensors never need device memory at once (the device is out of it by then); the new
-        tensor reuses the old one's memory and the rest of it serves later steps. Tensors and views
-        change: anything that captured them (CUDA graphs) checks `version`."""
+        repeatedly). One tensor at a time; on CUDA the kept part goes through host memory and the old
+        tensor's memory goes back to the device before the new one is allocated, so the two never need
+        device memory at once (the device is out of it by then) and the freed part is not left as
+        fragments too small for a step's activations. Tensors and views change (`version` counts it):
+        whatever captured them (CUDA graphs) must be dropped first."""
         if not 0 < num_blocks <= self.num_blocks:
             raise ValueError(f"cannot truncate a cache of {self.num_blocks} blocks to {num_blocks}")
         self._gather_k = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -96,6 +97,7 @@ class KVCache:
                     tensors[layer] = torch.empty(0, dtype=self.dtype, device=self.device)  # the last references
                     if views is not None:
                         views[layer] = tensors[layer]
+                    torch.cuda.empty_cache()  # the old tensor's segment, whole, back to the device
                 tensors[layer] = kept.to(self.device) if self.device.type == "cuda" else kept.clone()
                 if views is not None:
                     views[layer] = tensors[layer].view(flat)

@@ -14,10 +14,11 @@ A step's inputs (token, position, slot, length and block table of each row) are 
 into one pinned buffer and copied to the device in one transfer; the graph reads them from there.
 
 Every (batch, context) bucket is captured at start, largest first, into one shared memory pool
-(graphs of one engine never run at the same time). Graphs point at the KV cache's tensors, so
-they are captured again when the cache is replaced (`KVCache.version`, after an out-of-memory
-shrink). With `capture=False` the same fixed-shape path runs eagerly: that is how the CPU tests
-check its arithmetic against the dynamic path, and the fallback on a device without graphs.
+(graphs of one engine never run at the same time). Graphs point at the KV cache's tensors, so the
+backend drops them (`release`) before an out-of-memory shrink replaces those tensors; each bucket is
+then captured again when a step first needs it, and out of memory while capturing turns graphs off.
+With `capture=False` the same fixed-shape path runs eagerly: that is how the CPU tests check its
+arithmetic against the dynamic path.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class DecodeGraphs:
         self.rows = torch.arange(rows, device=device)
         self.key_positions = torch.arange(blocks * self.block_size, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
-        self._version = -1
+        self._pool: tuple[int, int] | None = None  # one memory pool shared by every graph
+        self.capture_disabled_by_oom = False
         self.capture_seconds = 0.0
         self.num_steps = 0  # steps run at fixed shapes (replayed, or eager without graphs)
 
@@ -98,12 +100,13 @@ class DecodeGraphs:
         return all(len(c.token_ids) == 1 and c.sample and c.num_logits == 1 and c.start_pos < limit for c in chunks)
 
     def run(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """float32 logits `[len(chunks), vocab]` on the CPU, of a step that `fits`."""
-        if self.capture and self._version != self.kv_cache.version:
-            self.capture_all()
+        """float32 logits `[len(chunks), vocab]` on the CPU, of a step that `fits`. After the KV cache
+        changed (`release`), each bucket is captured again when a step first needs it."""
         n = len(chunks)
         rows = _bucket(n, self.batch_sizes)
         blocks = _bucket(max(-(-(c.start_pos + 1) // self.block_size) for c in chunks), self.context_sizes)
+        if self.capture and (rows, blocks) not in self._graphs:
+            self._capture_bucket(rows, blocks)
         self._stage(chunks, rows)
         self.num_steps += 1
         graph, out = self._graphs.get((rows, blocks), (None, None))
@@ -159,7 +162,7 @@ class DecodeGraphs:
         """Drop the graphs and their memory (before the KV cache's tensors change); the next step
         captures them again."""
         self._graphs.clear()
-        self._version = -1
+        self._pool = None
         if self.kv_cache.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -168,17 +171,33 @@ class DecodeGraphs:
         started = time.perf_counter()
         self._graphs.clear()
         torch.cuda.synchronize(self.kv_cache.device)
-        pool = torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle()
         self._pad(0, self.max_rows)  # capturing writes only into the scratch block
         self._device.copy_(self._host)
         for rows in reversed(self.batch_sizes):
             for blocks in reversed(self.context_sizes):
-                self._graphs[(rows, blocks)] = self._capture(lambda r=rows, b=blocks: self._forward(r, b), pool)
+                self._graphs[(rows, blocks)] = self._capture(
+                    lambda r=rows, b=blocks: self._forward(r, b), self._pool)
         torch.cuda.synchronize(self.kv_cache.device)
-        self._version = self.kv_cache.version
         self.capture_seconds = time.perf_counter() - started
         log.info("CUDA graphs: %d decode buckets captured in %.1f s (batch %s x context blocks %s)",
                  len(self._graphs), self.capture_seconds, self.batch_sizes, self.context_sizes)
+
+    def _capture_bucket(self, rows: int, blocks: int) -> None:
+        """Capture one bucket on demand; out of memory turns capturing off (steps run at fixed shapes,
+        eagerly) rather than failing the step."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        self._pad(0, self.max_rows)
+        self._device.copy_(self._host)
+        try:
+            self._graphs[(rows, blocks)] = self._capture(lambda: self._forward(rows, blocks), self._pool)
+        except torch.OutOfMemoryError:
+            log.warning("out of memory capturing a CUDA graph for %d rows x %d blocks: decode steps run "
+                        "without graphs from now on", rows, blocks)
+            self.release()
+            self.capture = False
+            self.capture_disabled_by_oom = True
 
     def _capture(self, forward: Callable[[], torch.Tensor], pool: tuple[int, int]
                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -194,4 +213,4 @@ class DecodeGraphs:
 
     def stats(self) -> dict[str, float | int]:
         return {"cuda_graphs": len(self._graphs), "cuda_graph_capture_s": round(self.capture_seconds, 2),
-                "fixed_shape_decode_steps": self.num_steps}
+                "fixed_shape_decode_steps": self.num_steps, "cuda_graphs_off_after_oom": self.capture_disabled_by_oom}
