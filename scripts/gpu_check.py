@@ -219,7 +219,7 @@ async def _engine_pass(model: str, device: str, prompts: list[list[int]], concur
 
 
 SPEED_VARIANTS: dict[str, dict[str, Any]] = {
-    "graphs": {}, "eager": {"cuda_graphs": False}, "graphs-2048": {"max_batch_tokens": 2048},
+    "graphs": {}, "eager": {"cuda_graphs": False}, "graphs-512": {"max_batch_tokens": 512},
 }
 
 
@@ -266,11 +266,14 @@ async def check_speed(model: str, device: str, requests: int, variants: list[str
 async def check_profile(model: str, device: str) -> None:
     """Eager (graph-free) steps of fixed compositions timed under each SDPA backend, and the top ops of a
     batch-16 decode step by device and host time: what the steps that graphs do not cover cost."""
+    import contextlib
     import math
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from tokenflow import Engine
+    from tokenflow.runtime import paged_runner
+    from tokenflow.runtime.attention.paged import sdpa_backends
     from tokenflow.runtime.paged_runner import SeqChunk
 
     async with Engine(model, device=device, dtype="bfloat16", cuda_graphs=False, prefix_caching=False,
@@ -286,22 +289,28 @@ async def check_profile(model: str, device: str) -> None:
         def prefill(tokens: int, start: int) -> SeqChunk:
             return SeqChunk([7] * tokens, start, list(range(2000, 2000 + (start + tokens) // bs + 1)), True)
 
-        cases = {"decode x16 (ctx 100-700)": decodes(16), "decode x1 (ctx 400)": decodes(1, 400, 400),
-                 "15 decodes + 400-token prefill": [*decodes(15), prefill(400, 0)],
-                 "prefill 512": [prefill(512, 0)], "prefill 256 after 256 cached": [prefill(256, 256)]}
+        cases: dict[str, list[SeqChunk] | None] = {
+            "decode x16 (ctx 100-700)": decodes(16), "decode x16, lengths +1 a run": None,
+            "decode x1 (ctx 400)": decodes(1, 400, 400),
+            "15 decodes + 400-token prefill": [*decodes(15), prefill(400, 0)],
+            "prefill 512": [prefill(512, 0)], "prefill 256 after 256 cached": [prefill(256, 256)],
+        }
 
-        def timed(chunks: list[SeqChunk], reps: int = 5) -> float:
-            runner.execute(chunks)
+        def timed(chunks: list[SeqChunk] | None, reps: int = 5) -> float:
+            """Median ms of `reps` runs after one warm-up; None: decodes whose lengths grow every run, as
+            in serving (kernels that plan per shape pay for it each time)."""
+            runner.execute(chunks or decodes(16, 90, 690))
             times = []
-            for _ in range(reps):
+            for rep in range(reps):
                 started = time.perf_counter()
-                runner.execute(chunks)  # logits come back to the host: synchronised
+                runner.execute(chunks or decodes(16, 100 + rep, 700 + rep))  # logits come back: synchronised
                 times.append((time.perf_counter() - started) * 1e3)
             return sorted(times)[reps // 2]
 
-        backends = {"default": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH],
-                    "cudnn": [SDPBackend.CUDNN_ATTENTION], "flash+efficient": [SDPBackend.FLASH_ATTENTION,
-                                                                                SDPBackend.EFFICIENT_ATTENTION]}
+        # "ours": the runner's own choice (no cuDNN); the others replace it, "torch" with torch's default order.
+        backends = {"ours": None, "torch": [], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+                    "math": [SDPBackend.MATH], "cudnn": [SDPBackend.CUDNN_ATTENTION],
+                    "flash+efficient": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]}
         table: dict[str, dict[str, float | str]] = {}
         for name, chunks in cases.items():
             table[name] = {}
@@ -309,11 +318,14 @@ async def check_profile(model: str, device: str) -> None:
                 try:
                     if choice is None:
                         table[name][label] = round(timed(chunks), 2)
-                    else:
-                        with sdpa_kernel(choice):
-                            table[name][label] = round(timed(chunks), 2)
+                        continue
+                    paged_runner.sdpa_backends = lambda device: contextlib.nullcontext()
+                    with sdpa_kernel(choice) if choice else contextlib.nullcontext():
+                        table[name][label] = round(timed(chunks), 2)
                 except Exception as exc:
                     table[name][label] = f"{type(exc).__name__}"
+                finally:
+                    paged_runner.sdpa_backends = sdpa_backends
             slack, runner.decode_group_slack = runner.decode_group_slack, math.inf
             table[name]["one decode group"] = round(timed(chunks), 2)
             runner.decode_group_slack = slack
@@ -324,7 +336,7 @@ async def check_profile(model: str, device: str) -> None:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                runner.execute(cases["decode x16 (ctx 100-700)"])
+                runner.execute(decodes(16))
             averages = prof.key_averages()
             for key in ("self_cuda_time_total", "self_cpu_time_total"):
                 try:
@@ -366,7 +378,7 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--checks", default="load,oracle_tiny,oracle_bf16,oracle_fp32,oracle_bf16_eager,"
                                             "out_of_memory,speed")
-    parser.add_argument("--speed-variants", default="graphs,eager", help=f"of {', '.join(SPEED_VARIANTS)}")
+    parser.add_argument("--speed-variants", default="graphs,eager,graphs-512", help=f"of {', '.join(SPEED_VARIANTS)}")
     parser.add_argument("--concurrency", default="16,1")
     parser.add_argument("--no-naive", action="store_true", help="skip naive transformers in the speed check")
     parser.add_argument("--json")

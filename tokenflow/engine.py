@@ -107,8 +107,8 @@ class Engine:
             raise
 
     async def _start_on(self, model_thread: ModelThread, path: Any) -> None:
-        config = self.config
-        loaded = await model_thread.run(load_model, path, config)
+        loaded = await model_thread.run(load_model, path, self.config)
+        config = self.config = self.config.for_device(loaded.device.type)
         policy = config.attention_policy.fingerprint
         fingerprint = await model_thread.run(model_key, loaded.model, config.block_size, policy)
         ctx = EngineContext(

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenflow.kv.kv_cache import KVCache
-from tokenflow.runtime.attention.paged import PagedAttentionMetadata
+from tokenflow.runtime.attention.paged import PagedAttentionMetadata, sdpa_backends
 from tokenflow.runtime.attention.static_decode import StaticDecode
 
 if TYPE_CHECKING:
@@ -155,7 +155,8 @@ class DecodeGraphs:
             decodes=(), prefills=(), static_decode=StaticDecode(self.table[:rows, :blocks], mask),
         )
         ids, positions = self.ids[:rows].view(1, rows), self.positions[:rows].view(1, rows)
-        return self.decoder(ids, positions, self.rows[:rows], meta).float()
+        with sdpa_backends(self.kv_cache.device):
+            return self.decoder(ids, positions, self.rows[:rows], meta).float()
 
     # -------------------------------------------------------------- capture
     def release(self) -> None:

@@ -33,6 +33,7 @@ from tokenflow.runtime.attention.paged import (
     PrefillSegment,
     UnsupportedAttentionFeature,
     register,
+    sdpa_backends,
 )
 from tokenflow.runtime.attention.sliding import SlidingSegment, build_segment
 from tokenflow.runtime.attention.topk import RECENT_BLOCKS, TopkDecode
@@ -257,9 +258,9 @@ class PagedModelRunner:
 
     def _forward(self, step: PackedStep) -> torch.Tensor:
         if self.fused is not None:
-            with torch.inference_mode():
+            with torch.inference_mode(), sdpa_backends(self.device):
                 return self.fused(step.input_ids, step.position_ids, step.logits_to_keep, step.meta).float()
-        with torch.inference_mode():
+        with torch.inference_mode(), sdpa_backends(self.device):
             out = self.model(
                 input_ids=step.input_ids,
                 position_ids=step.position_ids,

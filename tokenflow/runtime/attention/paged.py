@@ -29,6 +29,7 @@ bf16 with AVX512-BF16), step 3 is one kernel call per segment over the cache ins
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,8 +51,10 @@ __all__ = (
     "PrefillSegment",
     "UnsupportedAttentionFeature",
     "attend",
+    "masked_gqa_attention",
     "paged_attention_forward",
     "register",
+    "sdpa_backends",
 )
 
 ATTENTION_NAME = "tokenflow_paged"
@@ -119,6 +122,34 @@ class PagedAttentionMetadata:
     native_prefill: bool = False  # prefill segments through `native.prefill` (each has its block_ids)
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
     static_decode: StaticDecode | None = None  # a decode-only step of fixed shapes (CUDA graphs): nothing else
+
+
+def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """Where SDPA may run for a paged step. On CUDA: flash, memory-efficient or math, never cuDNN's,
+    which builds an execution plan for every new shape: a paged step's key lengths change every step."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def masked_gqa_attention(
+    q: torch.Tensor,  # [1, H, t, D]
+    k: torch.Tensor,  # [1, KVH, e, D]
+    v: torch.Tensor,  # [1, KVH, e, D]
+    mask: torch.Tensor,  # [t, e] additive
+    scale: float,
+) -> torch.Tensor:
+    """Masked attention with grouped KV heads as one SDPA without GQA (CUDA's fused kernels take a mask
+    or GQA, not both): the G query heads of a KV head become G * t query rows against it, the mask
+    repeated per head. Returns `[t, H, D]`."""
+    _, num_heads, t, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    rows = q.reshape(1, num_kv_heads, group * t, head_dim)
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
+    return out.view(num_heads, t, head_dim).transpose(0, 1)
 
 
 def register() -> None:
@@ -249,6 +280,9 @@ def attend(
             pieces.append(prefill_attention(q_rows[seg.q_start : seg.q_end], k[0], v[0], seg.mask, scale, native))
             continue
         q = q_rows[seg.q_start : seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
+        if seg.mask is not None and group > 1 and q.device.type == "cuda":  # no fused kernel takes both
+            pieces.append(masked_gqa_attention(q, k, v, seg.mask, scale))
+            continue
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale, enable_gqa=group > 1,
         )  # [1, H, t, D]
