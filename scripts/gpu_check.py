@@ -377,7 +377,7 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--checks", default="load,oracle_tiny,oracle_bf16,oracle_fp32,oracle_bf16_eager,"
-                                            "out_of_memory,speed")
+                                            "out_of_memory,speed,profile")
     parser.add_argument("--speed-variants", default="graphs,eager,graphs-512", help=f"of {', '.join(SPEED_VARIANTS)}")
     parser.add_argument("--concurrency", default="16,1")
     parser.add_argument("--no-naive", action="store_true", help="skip naive transformers in the speed check")
