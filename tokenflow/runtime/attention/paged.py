@@ -149,7 +149,7 @@ def masked_gqa_attention(
     group = num_heads // num_kv_heads
     rows = q.reshape(1, num_kv_heads, group * t, head_dim)
     out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
-    return out.view(num_heads, t, head_dim).transpose(0, 1)
+    return out.reshape(num_heads, t, head_dim).transpose(0, 1)  # the fused kernels may return another layout
 
 
 def register() -> None:
