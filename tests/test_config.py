@@ -80,3 +80,18 @@ def test_engine_keywords_build_the_config(tiny_model) -> None:
     assert engine.config.model == str(tiny_model)
     with pytest.raises(ConfigError):
         Engine(tiny_model, max_modle_len=3)
+
+
+def test_max_batch_tokens_defaults_per_device_unless_set() -> None:
+    assert EngineConfig().max_batch_tokens is None  # decided once the model's device is known
+    assert EngineConfig().for_device("cpu").max_batch_tokens == 512
+    assert EngineConfig().for_device("cuda").max_batch_tokens == 2048
+    assert EngineConfig(max_batch_tokens=96).for_device("cuda").max_batch_tokens == 96
+
+
+async def test_a_started_engine_has_its_device_default(tiny_model) -> None:
+    from tokenflow import Engine
+
+    async with Engine(tiny_model) as engine:
+        assert engine.config.max_batch_tokens == 512
+        assert engine.stats()["max_batch_tokens_effective"] == 512

@@ -57,8 +57,8 @@ class AttentionPolicy:
         return "dense"
 
 
-# Tokens computed per step by default. CUDA: a step of 2,048 prompt tokens costs a small model about what
-# a step of 512 does (launch-bound), and at concurrency 16 it served 3.3x the requests/s (README, GPU).
+# Tokens computed per step by default. On CUDA a small model's step is launch-bound, so 2,048 prompt tokens
+# cost about what 512 do (measured: the README's GPU benchmarks).
 DEFAULT_BATCH_TOKENS = {"cpu": 512, "cuda": 2048}
 
 
