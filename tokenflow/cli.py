@@ -270,6 +270,8 @@ _BENCHES = {
                    "decode step time with and without compile; scheduler time"),
     "bench-attention": ("tokenflow.benchmarks.attention", "run_bench_attention",
                         "attention policies: perplexity, step time, KV memory"),
+    "bench-quality": ("tokenflow.benchmarks.quality", "run_bench_quality",
+                      "quality of bf16 and int8 against fp32: perplexity, greedy agreement"),
     "bench-dashboard": ("tokenflow.benchmarks.dashboard", "run_bench_dashboard",
                         "the cost of scraping the dashboard once a second under load"),
     "bench-plot": ("tokenflow.benchmarks.plots", "run_bench_plot",

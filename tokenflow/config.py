@@ -135,6 +135,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     topk_budget: Positive = 1024  # topk: tokens (whole blocks) each decode query attends to
     warmup: bool = False  # run short requests at start (each decode batch size) so the first user request is fast
     compile: bool = False  # torch.compile the decoder layers' MLPs on padded, static decode batch sizes
+    quantization: Literal["int8"] | None = None  # paged on CPU, Llama-family: int8 weights and activations (VNNI)
     cuda_graphs: bool = True  # paged on CUDA, Llama-family models: decode steps replayed from CUDA graphs
     # paged, greedy requests: n-gram (prompt lookup) draft tokens verified per step (0: off)
     speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0

@@ -109,7 +109,9 @@ class Engine:
     async def _start_on(self, model_thread: ModelThread, path: Any) -> None:
         loaded = await model_thread.run(load_model, path, self.config)
         config = self.config = self.config.for_device(loaded.device.type)
-        policy = config.attention_policy.fingerprint
+        policy = config.attention_policy.fingerprint  # the KV each block holds depends on these too
+        if config.quantization:
+            policy += f";quantization={config.quantization}"
         fingerprint = await model_thread.run(model_key, loaded.model, config.block_size, policy)
         ctx = EngineContext(
             config, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size, fingerprint

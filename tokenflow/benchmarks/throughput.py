@@ -45,6 +45,7 @@ _WORDS = (
 # Engines of the table that are another engine with settings of their own.
 ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "paged-ngram": {"backend": "paged", "speculative_tokens": 3},  # n-gram speculative decoding
+    "paged-int8": {"backend": "paged", "quantization": "int8"},  # int8 weights and activations (CPU, VNNI)
 }
 PEERS = ("vllm",)
 PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
@@ -220,7 +221,8 @@ def _worker(args: argparse.Namespace) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--engines", default="paged,paged-ngram,hf,naive",
-                   help="comma list of paged, paged-ngram (paged with speculative_tokens=3), hf, naive")
+                   help="comma list of paged, paged-ngram (paged with speculative_tokens=3), paged-int8 "
+                        "(paged with quantization=int8), hf, naive")
     p.add_argument("--peers", default="", help="comma list of peer engines run beside tokenflow: vllm")
     p.add_argument("--scenarios", default="standard", help="comma list of standard, shared-prefix, restart")
     p.add_argument("--concurrency", default="1,16", help="comma list of client counts (standard)")
@@ -312,7 +314,8 @@ def _standard(runner: _Runner, args: argparse.Namespace, tokenizer: Any, dtype: 
             prompts = make_workload(tokenizer, args.requests, args.min_prompt, args.max_prompt, seed=round_)
             path = runner.workload_file({"kind": "closed_loop", "prompts": prompts, "max_tokens": args.max_tokens,
                                          "concurrency": concurrency})
-            order = [*peers, *engines] if round_ % 2 == 0 else [*engines, *peers]  # alternate who goes first
+            # alternate who goes first
+            order = [*peers, *engines] if round_ % 2 == 0 else [*reversed(engines), *peers]
             for engine in order:
                 runner.run(engine, dtype, path, {"scenario": "standard", "concurrency": concurrency,
                                                  "round": round_})

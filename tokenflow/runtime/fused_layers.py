@@ -87,6 +87,7 @@ class FusedDecoder:
 
     def __init__(self, model: torch.nn.Module, *, pack: bool) -> None:
         base = model.model
+        self.model = model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.final_norm = base.norm
@@ -115,6 +116,36 @@ class FusedDecoder:
                     scale=float(attn.scaling),
                 ))
         self.intermediate = base.layers[0].mlp.gate_proj.out_features
+
+    def linear_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of every linear the loop runs, by name (`layers.<i>.qkv` / `.o` / `.gate_up` /
+        `.down`, `lm_head`), in the concatenations the loop uses: for quantising them."""
+        out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for i, layer in enumerate(self.model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+            out[f"layers.{i}.qkv"] = (torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                                      torch.cat(biases) if biases[0] is not None else None)
+            out[f"layers.{i}.o"] = (attn.o_proj.weight, None)
+            out[f"layers.{i}.gate_up"] = (torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None)
+            out[f"layers.{i}.down"] = (mlp.down_proj.weight, None)
+        out["lm_head"] = (self.model.lm_head.weight, None)
+        return out
+
+    def linears(self) -> dict[str, Linear]:
+        """The callables the loop runs, by the names of `linear_weights`."""
+        out = {"lm_head": self.lm_head}
+        for i, layer in enumerate(self.layers):
+            out.update({f"layers.{i}.{part}": getattr(layer, part) for part in ("qkv", "o", "gate_up", "down")})
+        return out
+
+    def set_linear(self, name: str, linear: Linear) -> None:
+        """Run `linear` in place of the linear `name` (see `linears`)."""
+        if name == "lm_head":
+            self.lm_head = linear
+            return
+        _, index, part = name.split(".")
+        setattr(self.layers[int(index)], part, linear)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                  meta: PagedAttentionMetadata) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from tokenflow import registry
 from tokenflow.config import EngineConfig
 from tokenflow.errors import ModelLoadError
+from tokenflow.hub.cache import tokenflow_home
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.protocols import EngineContext, StepPlan
 from tokenflow.runtime.compiled import compile_mlps, decode_buckets, padded_size
@@ -26,6 +27,7 @@ from tokenflow.runtime.cpu.rms_norm import fuse_rms_norms
 from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.gated_mlp import inplace_gated_mlps
 from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
+from tokenflow.runtime.quantize import quantize_runner
 
 __all__ = ("PagedBackend", "create", "kv_pool_blocks", "profile_step_peak")
 
@@ -71,6 +73,14 @@ def profile_step_peak(runner: PagedModelRunner, num_tokens: int, num_logits: int
     return int(torch.cuda.max_memory_allocated(device) - held)
 
 
+def _parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters, each storage once (a tied head is its embedding)."""
+    seen: dict[int, int] = {}
+    for param in model.parameters():
+        seen[param.untyped_storage().data_ptr()] = param.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def decode_graph_mode(config: EngineConfig, device: torch.device) -> str | None:
     """How decode-only steps run at fixed shapes (`DecodeGraphs`): "capture" (CUDA graphs) on CUDA with
     `cuda_graphs`, dense attention and no `compile` (which pads its own); None: the dynamic path."""
@@ -88,6 +98,8 @@ class PagedBackend:
         self.pool: Any = None
         self.kv_bytes = 0
         self.step_peak_bytes = 0  # CUDA: the profiled activations' peak the KV budget left free
+        self.int8_bytes = 0  # quantization="int8": the int8 weights' bytes
+        self.weight_bytes = 0  # what a forward reads: the model's parameters (int8 ones in their place)
         self.graph_error: str | None = None  # why CUDA graphs are off although asked for
         self.buckets: list[int] = []  # static decode batch sizes, with `compile`
         self.scratch_block = -1
@@ -130,16 +142,19 @@ class PagedBackend:
             window=attention.window, sinks=config.sink_tokens, topk_budget=attention.topk_budget,
             native_kernels=config.native_kernels,
             fused_layers=config.fused_layers and not config.compile,  # compile works on the HF modules
-            pack_weights=config.pack_cpu_weights,
+            pack_weights=config.pack_cpu_weights and config.quantization is None,
         )
         # Only once the runner has accepted the model, so that a refused one is left as it came.
         fuse_rms_norms(model, self.runner.native)
         inplace_gated_mlps(model)  # with `compile`, the eager path of shapes it does not compile
-        if config.compile:
+        if config.quantization == "int8":
+            self.int8_bytes = quantize_runner(self.runner, ctx.tokenizer, ctx.model_key, tokenflow_home() / "quantized")
+        elif config.compile:
             self.buckets = decode_buckets(config.max_num_seqs)
             compile_mlps(model, set(self.buckets))
         elif config.pack_cpu_weights and self.runner.fused is None:  # the fused layers pack their own
             pack_linears(model)
+        self.weight_bytes = self.int8_bytes + _parameter_bytes(model)
         if profile:
             try:
                 self.step_peak_bytes = profile_step_peak(
@@ -221,7 +236,8 @@ class PagedBackend:
     def stats(self) -> dict[str, Any]:
         if self.pool is None:
             return {}
-        stats = {**self.pool.stats(), "kv_cache_bytes": self.kv_bytes}
+        stats = {**self.pool.stats(), "kv_cache_bytes": self.kv_bytes, "weight_bytes": self.weight_bytes,
+                 "quantization": self.config.quantization or "none"}
         if self.step_peak_bytes:
             stats["step_peak_bytes"] = self.step_peak_bytes
         if self.runner is not None and self.runner.graphs is not None:

@@ -38,7 +38,7 @@ from tokenflow.progress import StageBar
 from tokenflow.runtime.cpu.features import cpu_flags
 from tokenflow.runtime.cpu.openmp_team import loaded_libgomp_paths
 
-__all__ = ("NativeKernels", "load_native_kernels")
+__all__ = ("FLAGS", "NativeKernels", "load_library", "load_native_kernels")
 
 log = logging.getLogger("tokenflow")
 
@@ -173,9 +173,9 @@ class NativeKernels:
         return out
 
 
-def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
+def _build_key(compiler: str, flags: tuple[str, ...], source: Path = SOURCE) -> str:
     """Hash of what the library depends on: source, flags, compiler version, CPU features."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(source.read_bytes())
     digest.update(" ".join((*flags, *LINK_FLAGS)).encode())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest.update(version.encode())
@@ -184,20 +184,19 @@ def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _build(compiler: str, folder: Path, head_dim: int, group: int) -> Path:
-    """Compile the library for one head geometry into `folder` (once: a build with the same key is reused)."""
-    flags = (*FLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}")
-    target = folder / f"cpu_kernels-d{head_dim}g{group}-{_build_key(compiler, flags)}.so"
+def build_library(compiler: str, folder: Path, source: Path, stem: str, flags: tuple[str, ...], title: str) -> Path:
+    """Compile `source` into `folder/<stem>-<key>.so` once (a build with the same key is reused)."""
+    target = folder / f"{stem}-{_build_key(compiler, flags, source)}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
     os.close(fd)
     obj = tmp[: -len(".so.tmp")] + ".o"
-    steps = {"compile": [compiler, *flags, "-c", "-o", obj, str(SOURCE)],
+    steps = {"compile": [compiler, *flags, "-c", "-o", obj, str(source)],
              "link": [compiler, *LINK_FLAGS, "-o", tmp, obj, "-lm"]}
     try:
-        with StageBar(f"tokenflow: building CPU kernels for head size {head_dim}", tuple(steps)) as bar:
+        with StageBar(title, tuple(steps)) as bar:
             for name, command in steps.items():
                 with bar.stage(name):
                     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -211,10 +210,9 @@ def _build(compiler: str, folder: Path, head_dim: int, group: int) -> Path:
     return target
 
 
-@functools.cache
-def load_native_kernels(head_dim: int, group: int) -> NativeKernels | None:
-    """The library built for this head geometry, or None (logged) where it cannot be built or would
-    bring its own OpenMP runtime."""
+def load_library(source: Path, stem: str, flags: tuple[str, ...], title: str) -> tuple[ctypes.CDLL, Path] | None:
+    """Build (once) and load a kernel library, or None (logged) where it cannot be built or would bring
+    its own OpenMP runtime."""
     torch_gomp = loaded_libgomp_paths()
     if len(torch_gomp) != 1:
         log.info("native kernels off: torch does not use libgomp here (%s)", sorted(torch_gomp) or "none")
@@ -224,7 +222,7 @@ def load_native_kernels(head_dim: int, group: int) -> NativeKernels | None:
         log.info("native kernels off: no C compiler (set CC)")
         return None
     try:
-        path = _build(compiler, tokenflow_home() / "kernels", head_dim, group)
+        path = build_library(compiler, tokenflow_home() / "kernels", source, stem, flags, title)
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("native kernels off: %s", e)
@@ -233,4 +231,13 @@ def load_native_kernels(head_dim: int, group: int) -> NativeKernels | None:
         log.warning("native kernels off: the kernel loaded a second OpenMP runtime")
         return None
     log.info("native kernels: %s", path)
-    return NativeKernels(library, path, head_dim, group)
+    return library, path
+
+
+@functools.cache
+def load_native_kernels(head_dim: int, group: int) -> NativeKernels | None:
+    """The library built for this head geometry, or None (see `load_library`)."""
+    flags = (*FLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}")
+    loaded = load_library(SOURCE, f"cpu_kernels-d{head_dim}g{group}", flags,
+                          f"tokenflow: building CPU kernels for head size {head_dim}")
+    return None if loaded is None else NativeKernels(*loaded, head_dim, group)

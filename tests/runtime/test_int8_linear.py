@@ -1,0 +1,59 @@
+"""int8 linear layers: the VNNI kernel equals its torch-ops reference, and the int8 product stays close to
+the float one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenflow.runtime.cpu.int8_linear import Int8Linear, load_int8_kernels, quantize_weight, reference_linear
+
+kernels = load_int8_kernels()
+needs_vnni = pytest.mark.skipif(kernels is None, reason="no AVX512-VNNI or no C compiler on this machine")
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 576, 960), (3, 64, 40), (16, 1536, 576), (37, 100, 70), (512, 576, 96)])
+def test_kernel_equals_its_reference(m: int, k: int, n: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    w = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g)
+    x = (torch.randn(m, k, generator=g) * torch.linspace(0.1, 8.0, k)).to(dtype)  # outlier channels
+    act_max = x.float().abs().amax(0)
+    weight = quantize_weight(w, bias, act_max)
+    got = Int8Linear(weight, kernels)(x)
+    want = reference_linear(x, weight)
+    assert got.shape == (m, n) and got.dtype == dtype
+    # same integers, same scales; only the order of fp32 ops (and a tie in rounding) may differ
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-4,
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@needs_vnni
+def test_int8_product_is_close_to_the_float_one() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 512, generator=g) * 0.05
+    x = torch.randn(8, 512, generator=g) * torch.linspace(0.1, 8.0, 512)
+    exact = x @ w.T
+    for act_max in (None, x.abs().amax(0)):
+        got = Int8Linear(quantize_weight(w, None, act_max), kernels)(x)
+        err = ((got - exact).norm() / exact.norm()).item()
+        assert err < 0.02, err
+
+
+@needs_vnni
+def test_rows_of_zeros_and_padding_give_exact_zeros() -> None:
+    w = torch.randn(33, 10)
+    weight = quantize_weight(w)
+    x = torch.zeros(2, 10, dtype=torch.bfloat16)
+    assert torch.equal(Int8Linear(weight, kernels)(x), torch.zeros(2, 33, dtype=torch.bfloat16))
+
+
+def test_packing_round_trips() -> None:
+    w = torch.randn(45, 19)
+    weight = quantize_weight(w)
+    assert weight.n_pad == 64 and weight.k_pad == 20 and weight.packed.shape == (4, 5, 16, 4)
+    dequantized = weight.unpacked().float() * weight.scale[:45, None]
+    torch.testing.assert_close(dequantized, w, atol=w.abs().max().item() / 127, rtol=0)
+    assert torch.equal(weight.sums[:45], weight.unpacked().sum(1, dtype=torch.int32))

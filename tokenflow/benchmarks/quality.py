@@ -1,0 +1,129 @@
+"""`tokenflow bench-quality`: what each numeric form costs in quality, against fp32.
+
+* Perplexity of a held-out text (default: the GPL-3 text from /usr/share/common-licenses, which the
+  int8 calibration text does not overlap), scored through `prompt_logprobs` in windows of
+  `--window` tokens, each window a request of its own.
+* Greedy agreement with fp32: chat prompts answered greedily (EOS ignored); for each variant, the
+  mean length of the common prefix of its tokens and fp32's, and how many answers are identical.
+
+Variants: fp32, bf16, and bf16 with `quantization="int8"`; each engine runs in this process one
+after the other, with the same requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+__all__ = ("VARIANTS", "add_arguments", "common_prefix", "run_bench_quality")
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {"dtype": "float32"},
+    "bf16": {"dtype": "bfloat16"},
+    "int8 weights": {"dtype": "bfloat16", "quantization": "int8"},
+}
+
+QUESTIONS = (
+    "Why is the sky blue?", "Write a haiku about the sea.", "What is the capital of Japan?",
+    "Explain recursion to a child.", "List three uses of copper.", "How do airplanes stay in the air?",
+    "Give me a tip for learning to cook.", "What causes the seasons on Earth?", "Describe a cat in one sentence.",
+    "What is 12 times 13?", "Name a famous painting and its painter.", "How does a refrigerator keep food cold?",
+    "Write a Python one-liner that reverses a string.", "What is the boiling point of water in Fahrenheit?",
+    "Suggest a name for a bakery.", "Why do we need sleep?",
+)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+async def _measure(model: str | None, settings: dict[str, Any], windows: list[list[int]], max_tokens: int
+                   ) -> dict[str, Any]:
+    from tokenflow import Engine
+
+    started = time.perf_counter()
+    async with Engine(model, prefix_caching=False, **settings) as engine:
+        load_s = time.perf_counter() - started
+        nll, count = 0.0, 0
+        for ids in windows:
+            done = await engine.generate(ids, max_tokens=1, temperature=0.0, prompt_logprobs=0)
+            for token, entry in zip(ids[1:], (done.prompt_logprobs or [])[1:]):
+                nll -= entry[token]
+                count += 1
+        answers = []
+        for question in QUESTIONS:
+            done = await engine.chat([{"role": "user", "content": question}], max_tokens=max_tokens,
+                                     temperature=0.0, ignore_eos=True)
+            answers.append(list(done.token_ids))
+        stats = engine.stats()
+    return {"perplexity": math.exp(nll / count), "scored_tokens": count, "answers": answers,
+            "load_s": round(load_s, 2), "weight_bytes": stats.get("weight_bytes")}
+
+
+def run_bench_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from transformers import AutoTokenizer
+
+    from tokenflow.hub import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model).path)
+    ids = list(tokenizer(Path(args.text).read_text(), add_special_tokens=False)["input_ids"])[: args.tokens]
+    windows = [ids[i:i + args.window] for i in range(0, len(ids) - 1, args.window)]
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown variant {unknown}; known: {', '.join(VARIANTS)}")
+    results: dict[str, dict[str, Any]] = {}
+    for name in ["fp32", *[n for n in names if n != "fp32"]]:  # fp32 first: the reference
+        results[name] = anyio.run(_measure, args.model, VARIANTS[name], windows, args.max_tokens)
+    reference = results["fp32"]
+    rows = []
+    bf16 = results["bf16"]["perplexity"] if "bf16" in results else None
+    for name in names if "fp32" in names else ["fp32", *names]:
+        r = results[name]
+        prefixes = [common_prefix(a, b) for a, b in zip(r["answers"], reference["answers"])]
+        rows.append({
+            "variant": name, "perplexity": round(r["perplexity"], 3),
+            "perplexity_vs_bf16": round(r["perplexity"] / bf16, 4) if bf16 else None,
+            "mean_common_prefix": round(sum(prefixes) / len(prefixes), 2),
+            "identical_answers": prefixes.count(args.max_tokens), "answers": len(prefixes),
+            "scored_tokens": r["scored_tokens"], "weight_bytes": r["weight_bytes"], "load_s": r["load_s"],
+        })
+    _print(rows, args)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"rows": rows, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                   "args": vars(args)}, indent=1))
+    return rows
+
+
+def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"perplexity of {Path(args.text).name} ({rows[0]['scored_tokens']} tokens, windows of {args.window}); "
+          f"greedy agreement with fp32 over {rows[0]['answers']} answers of {args.max_tokens} tokens")
+    print("| variant | perplexity | vs bf16 | mean common prefix with fp32 | identical answers | weight bytes |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['perplexity_vs_bf16']:.4f}" if r["perplexity_vs_bf16"] is not None else ""
+        weights = f"{r['weight_bytes'] / 2**20:.1f} MiB" if r["weight_bytes"] else ""
+        print(f"| {r['variant']} | {r['perplexity']:.3f} | {ratio} | {r['mean_common_prefix']:.1f} / {args.max_tokens} "
+              f"| {r['identical_answers']} / {r['answers']} | {weights} |")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--text", default="/usr/share/common-licenses/GPL-3", help="the held-out text")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens of the text scored")
+    p.add_argument("--window", type=int, default=1024, help="tokens per scored window (one request each)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per greedy answer")
+    p.add_argument("--json", dest="json_out", default=None)
