@@ -135,6 +135,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     topk_budget: Positive = 1024  # topk: tokens (whole blocks) each decode query attends to
     warmup: bool = False  # run short requests at start (each decode batch size) so the first user request is fast
     compile: bool = False  # torch.compile the decoder layers' MLPs on padded, static decode batch sizes
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"  # auto: the model's dtype; int8: per token and KV head scales
     quantization: Literal["int8"] | None = None  # paged on CPU, Llama-family: int8 weights and activations (VNNI)
     cuda_graphs: bool = True  # paged on CUDA, Llama-family models: decode steps replayed from CUDA graphs
     # paged, greedy requests: n-gram (prompt lookup) draft tokens verified per step (0: off)
@@ -152,6 +153,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
             raise ValueError(f"`device` must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.speculative_tokens and self.attention != "dense":
             raise ValueError("`speculative_tokens` needs attention='dense'")
+        if self.kv_cache_dtype == "int8" and self.attention == "topk":
+            raise ValueError("kv_cache_dtype='int8' does not run with attention='topk' (whose bounds read the cache)")
 
     def for_device(self, device_type: str) -> EngineConfig:
         """This config with its device-dependent defaults filled in (the engine calls it once the model

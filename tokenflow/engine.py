@@ -112,6 +112,8 @@ class Engine:
         policy = config.attention_policy.fingerprint  # the KV each block holds depends on these too
         if config.quantization:
             policy += f";quantization={config.quantization}"
+        if config.kv_cache_dtype != "auto":
+            policy += f";kv_cache_dtype={config.kv_cache_dtype}"
         fingerprint = await model_thread.run(model_key, loaded.model, config.block_size, policy)
         ctx = EngineContext(
             config, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size, fingerprint

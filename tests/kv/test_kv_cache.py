@@ -95,3 +95,54 @@ def test_truncate_keeps_the_first_blocks_and_their_contents() -> None:
     assert cache.k[1][3, 3].eq(-1.0).all()
     with pytest.raises(ValueError):
         cache.truncate(5)
+
+
+def _int8_cache(**kw) -> KVCache:
+    return KVCache(num_layers=2, num_kv_heads=2, head_dim=8, num_blocks=6, block_size=4, dtype=torch.bfloat16,
+                   device="cpu", int8=True, **kw)
+
+
+def test_int8_cache_writes_codes_and_scales_and_gathers_close_values() -> None:
+    cache = _int8_cache()
+    g = torch.Generator().manual_seed(0)
+    k = (torch.randn(5, 2, 8, generator=g) * torch.tensor([0.1, 30.0])[None, :, None]).bfloat16()  # heads differ
+    v = torch.randn(5, 2, 8, generator=g).bfloat16()
+    slots = torch.tensor([3, 4, 9, 10, 23])
+    cache.write(1, slots, k, v)
+    assert cache.k[1].dtype == torch.int8 and cache.k_scale[1].dtype == torch.float32
+    got_k, got_v = cache.gather(1, torch.tensor([0, 1, 2, 5]))  # slot s = block * 4 + offset
+    assert got_k.dtype == torch.bfloat16 and got_k.shape == (4, 4, 2, 8)
+    rows_k = got_k.reshape(16, 2, 8)[[3, 4, 9, 10, 15]].float()
+    step = k.float().abs().amax(-1, keepdim=True) / 127  # one int8 step of each token and head
+    assert ((rows_k - k.float()).abs() <= step * 0.51 + 0.01 * k.float().abs()).all()  # half a step, bf16 rounding
+    assert got_v.reshape(16, 2, 8)[0].eq(0).all()  # untouched slots dequantise to zeros
+
+
+def test_int8_blocks_round_trip_through_the_tier_format() -> None:
+    cache = _int8_cache()
+    cache.write(0, torch.arange(8), torch.randn(8, 2, 8).bfloat16(), torch.randn(8, 2, 8).bfloat16())
+    cache.write(1, torch.arange(8), torch.randn(8, 2, 8).bfloat16(), torch.randn(8, 2, 8).bfloat16())
+    data = cache.read_block(1)
+    assert data.dtype == torch.int8 and tuple(data.shape) == cache.block_shape == (2, 2, 4, 2, 12)
+    assert cache.block_is_finite(data)
+    other = _int8_cache()
+    other.write_block(3, data)
+    for layer in range(2):
+        assert torch.equal(other.k[layer][3], cache.k[layer][1])
+        assert torch.equal(other.v_scale[layer][3], cache.v_scale[layer][1])
+    broken = data.clone()
+    broken[0, 1, 2, 1, 8:] = torch.tensor([float("nan")]).view(torch.int8)  # a scale's bytes
+    assert not cache.block_is_finite(broken)
+    with pytest.raises(ValueError):
+        other.write_block(0, data.float())
+
+
+def test_int8_blocks_take_about_half_the_bytes() -> None:
+    cfg = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
+    bf16 = KVCache.bytes_per_block(cfg, 16, torch.bfloat16)
+    int8 = KVCache.bytes_per_block(cfg, 16, torch.bfloat16, int8=True)
+    assert int8 == 2 * 30 * 16 * 3 * (64 + 4) and bf16 / int8 >= 1.8
+    cache = _int8_cache()
+    assert cache.nbytes == 2 * 2 * 6 * 4 * 2 * (8 + 4)
+    cache.truncate(3)
+    assert cache.nbytes == 2 * 2 * 3 * 4 * 2 * (8 + 4) and cache.k_scale_slots[0].shape == (12, 2)

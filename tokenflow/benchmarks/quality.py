@@ -6,8 +6,10 @@
 * Greedy agreement with fp32: chat prompts answered greedily (EOS ignored); for each variant, the
   mean length of the common prefix of its tokens and fp32's, and how many answers are identical.
 
-Variants: fp32, bf16, and bf16 with `quantization="int8"`; each engine runs in this process one
-after the other, with the same requests.
+Variants: fp32, bf16, bf16 with `quantization="int8"`, with `kv_cache_dtype="int8"`, and both; each
+engine runs in this process one after the other, with the same requests. Windows are prefilled in
+`max_batch_tokens` chunks (512 on CPU), so with an int8 cache every chunk after a window's first
+attends to dequantised keys and values, as decodes do.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},
     "int8 weights": {"dtype": "bfloat16", "quantization": "int8"},
+    "int8 KV": {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
+    "int8 weights + KV": {"dtype": "bfloat16", "quantization": "int8", "kv_cache_dtype": "int8"},
 }
 
 QUESTIONS = (

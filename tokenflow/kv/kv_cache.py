@@ -11,6 +11,12 @@ Layout, per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`, chosen fo
 
 The memory starts zeroed and only ever holds real K/V values: padded or stale slots that a
 masked attention reads must be finite, or `0 * NaN` would poison the output.
+
+`int8=True` (`kv_cache_dtype="int8"`): K and V are stored as int8, symmetric per token and KV head,
+with the fp32 scales in `k_scale` / `v_scale` (`[num_blocks, block_size, kv_heads]` per layer):
+68 bytes per token and head at head_dim 64 instead of bf16's 128. `write` quantises, `gather`
+dequantises to the model's dtype (`dtype` stays the compute dtype); tiers move a block as int8 rows
+of `head_dim` values followed by their scale's 4 bytes (`block_dtype`, `block_shape`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         track_key_bounds: bool = False,
+        int8: bool = False,
     ) -> None:
         for name, v in (
             ("num_layers", num_layers),
@@ -51,17 +58,26 @@ class KVCache:
         self.head_dim = head_dim
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = dtype
+        self.dtype = dtype  # what attention computes in (the model's dtype)
+        self.quantized = int8
+        self.storage_dtype = torch.int8 if int8 else dtype
         self.device = torch.device(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         dev = self.device
+        store = self.storage_dtype
         # per layer: [num_blocks, block_size, kv_heads, head_dim]
-        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(num_layers)]
-        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(num_layers)]
+        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=store, device=dev) for _ in range(num_layers)]
+        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=store, device=dev) for _ in range(num_layers)]
         flat = (num_blocks * block_size, num_kv_heads, head_dim)
         # Views sharing the memory above, indexed by slot = block_id * block_size + offset.
         self.k_slots: list[torch.Tensor] = [t.view(flat) for t in self.k]  # [num_slots, kv_heads, head_dim]
         self.v_slots: list[torch.Tensor] = [t.view(flat) for t in self.v]  # [num_slots, kv_heads, head_dim]
+        # int8: per layer [num_blocks, block_size, kv_heads] fp32 scales, and their slot views
+        scales = (num_blocks, block_size, num_kv_heads)
+        self.k_scale = [torch.zeros(scales, device=dev) for _ in range(num_layers)] if int8 else []
+        self.v_scale = [torch.zeros(scales, device=dev) for _ in range(num_layers)] if int8 else []
+        self.k_scale_slots = [t.view(flat[:2]) for t in self.k_scale]
+        self.v_scale_slots = [t.view(flat[:2]) for t in self.v_scale]
         # Reused destinations of the per-layer block gathers: a fresh multi-MB tensor per gather
         # costs more in page faults than the copy itself on CPU.
         self._gather_k = torch.empty(0, dtype=dtype, device=dev)
@@ -88,19 +104,20 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.num_blocks} blocks to {num_blocks}")
         self._gather_k = torch.empty(0, dtype=self.dtype, device=self.device)
         self._gather_v = torch.empty(0, dtype=self.dtype, device=self.device)
-        flat = (num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
-        for tensors, views in ((self.k, self.k_slots), (self.v, self.v_slots), (self.k_min, None), (self.k_max, None)):
+        slots = num_blocks * self.block_size
+        for tensors, views in ((self.k, self.k_slots), (self.v, self.v_slots), (self.k_scale, self.k_scale_slots),
+                               (self.v_scale, self.v_scale_slots), (self.k_min, None), (self.k_max, None)):
             for layer in range(len(tensors)):
                 kept = tensors[layer][:num_blocks]
                 if self.device.type == "cuda":
                     kept = kept.cpu()
-                    tensors[layer] = torch.empty(0, dtype=self.dtype, device=self.device)  # the last references
+                    tensors[layer] = torch.empty(0, dtype=kept.dtype, device=self.device)  # the last references
                     if views is not None:
                         views[layer] = tensors[layer]
                     torch.cuda.empty_cache()  # the old tensor's segment, whole, back to the device
                 tensors[layer] = kept.to(self.device) if self.device.type == "cuda" else kept.clone()
                 if views is not None:
-                    views[layer] = tensors[layer].view(flat)
+                    views[layer] = tensors[layer].view(slots, *tensors[layer].shape[2:])
         self.num_blocks = num_blocks
         self.version += 1
 
@@ -110,6 +127,10 @@ class KVCache:
         The results live in scratch buffers that the next `gather` overwrites: use them before.
         """
         shape = (block_ids.shape[0], self.block_size, self.num_kv_heads, self.head_dim)
+        if self.quantized:  # fresh tensors: dequantising allocates anyway
+            k, v = (_dequantize(codes.index_select(0, block_ids), scales.index_select(0, block_ids), self.dtype)
+                    for codes, scales in self._stores(layer))
+            return k, v
         numel = shape[0] * shape[1] * shape[2] * shape[3]
         if self._gather_k.numel() < numel:
             self._gather_k = torch.empty(numel, dtype=self.dtype, device=self.device)
@@ -119,6 +140,18 @@ class KVCache:
         torch.index_select(self.k[layer], 0, block_ids, out=k)
         torch.index_select(self.v[layer], 0, block_ids, out=v)
         return k, v
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Store a step's new keys and values `[T, kv_heads, head_dim]` at `slot_mapping` (quantised when int8)."""
+        if not self.quantized:
+            self.k_slots[layer].index_copy_(0, slot_mapping, k_new)
+            self.v_slots[layer].index_copy_(0, slot_mapping, v_new)
+            return
+        for new, codes, scales in ((k_new, self.k_slots[layer], self.k_scale_slots[layer]),
+                                   (v_new, self.v_slots[layer], self.v_scale_slots[layer])):
+            q, scale = _quantize(new)
+            codes.index_copy_(0, slot_mapping, q)
+            scales.index_copy_(0, slot_mapping, scale)
 
     @staticmethod
     def geometry(model_config: Any) -> tuple[int, int, int]:
@@ -131,11 +164,11 @@ class KVCache:
         return num_layers, int(num_kv_heads), int(head_dim)
 
     @classmethod
-    def bytes_per_block(cls, model_config: Any, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(cls, model_config: Any, block_size: int, dtype: torch.dtype, int8: bool = False) -> int:
         """Bytes one block costs over all layers, K and V: lets the engine size the pool from a budget."""
         num_layers, num_kv_heads, head_dim = cls.geometry(model_config)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+        per_row = head_dim + 4 if int8 else head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * per_row
 
     @classmethod
     def for_model(
@@ -161,35 +194,62 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.k_scale, *self.v_scale))
+
+    @property
+    def block_dtype(self) -> torch.dtype:
+        """The dtype of `read_block`'s tensor (what tiers store)."""
+        return self.storage_dtype
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of `read_block`'s tensor: int8 rows carry their fp32 scale in 4 more bytes."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim + (4 if self.quantized else 0))
+
+    def block_is_finite(self, data: torch.Tensor) -> bool:
+        """Whether a block's values (int8: its scales) are all finite: tiers drop one that is not."""
+        if not self.quantized:
+            return bool(torch.isfinite(data).all())
+        return bool(torch.isfinite(data[..., self.head_dim:].contiguous().view(torch.float32)).all())
 
     def read_block(self, block_id: int) -> torch.Tensor:
         """A copy of one block over all layers, for tiers that move blocks out of the pool.
 
-        Returns `[num_layers, 2, block_size, kv_heads, head_dim]` (index 0 = K, 1 = V). Tiers call
-        it on the event loop: one small copy per layer and K/V stays under torch's parallel-op
-        threshold, so this thread never starts an OpenMP team of its own (see `model_thread.py`).
+        Returns `block_shape` (`[num_layers, 2, block_size, kv_heads, head_dim (+4)]`, index 0 = K,
+        1 = V). Tiers call it on the event loop: one small copy per layer and K/V stays under torch's
+        parallel-op threshold, so this thread never starts an OpenMP team of its own (see
+        `model_thread.py`).
         """
-        out = torch.empty(
-            (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim), dtype=self.dtype,
-            device=self.device,
-        )
-        for layer, (k, v) in enumerate(zip(self.k, self.v)):
-            out[layer, 0].copy_(k[block_id])
-            out[layer, 1].copy_(v[block_id])
+        out = torch.empty(self.block_shape, dtype=self.block_dtype, device=self.device)
+        d = self.head_dim
+        for layer in range(self.num_layers):
+            for i, (codes, scales) in enumerate(self._stores(layer)):
+                out[layer, i, ..., :d].copy_(codes[block_id])
+                if scales is not None:
+                    out[layer, i, ..., d:].copy_(scales[block_id].unsqueeze(-1).view(torch.int8))
         return out
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
-        """Inverse of `read_block`: `data` is `[num_layers, 2, block_size, kv_heads, head_dim]`."""
-        expected = (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-        if tuple(data.shape) != expected:
-            raise ValueError(f"block data has shape {tuple(data.shape)}, expected {expected}")
-        for layer, (k, v) in enumerate(zip(self.k, self.v)):
-            k[block_id].copy_(data[layer, 0])
-            v[block_id].copy_(data[layer, 1])
+        """Inverse of `read_block`: `data` has `block_shape` and `block_dtype`."""
+        if tuple(data.shape) != self.block_shape or data.dtype != self.block_dtype:
+            raise ValueError(f"block data is {data.dtype}{tuple(data.shape)}, expected {self.block_dtype}"
+                             f"{self.block_shape}")
+        d = self.head_dim
+        for layer in range(self.num_layers):
+            for i, (codes, scales) in enumerate(self._stores(layer)):
+                codes[block_id].copy_(data[layer, i, ..., :d])
+                if scales is not None:
+                    scales[block_id].copy_(data[layer, i, ..., d:].contiguous().view(torch.float32).squeeze(-1))
             if self.track_key_bounds:
-                self.k_min[layer][block_id] = k[block_id].amin(0)
-                self.k_max[layer][block_id] = k[block_id].amax(0)
+                keys = self.gather(layer, torch.tensor([block_id], device=self.device))[0][0]
+                self.k_min[layer][block_id] = keys.amin(0)
+                self.k_max[layer][block_id] = keys.amax(0)
+
+    def _stores(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """(values, scales or None) of K then V in `layer`."""
+        if self.quantized:
+            return (self.k[layer], self.k_scale[layer]), (self.v[layer], self.v_scale[layer])
+        return (self.k[layer], None), (self.v[layer], None)
 
     def __repr__(self) -> str:
         return (
@@ -197,3 +257,15 @@ class KVCache:
             f"blocks={self.num_blocks}x{self.block_size}, dtype={self.dtype}, device={self.device}, "
             f"{self.nbytes / 2**20:.1f} MiB)"
         )
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes `[..., head_dim]` and fp32 scales `[...]` of `x`, symmetric per row."""
+    scale = x.float().abs().amax(-1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(x.float() / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)

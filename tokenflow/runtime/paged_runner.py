@@ -206,10 +206,11 @@ class PagedModelRunner:
         on_cpu = kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float32)
         self.native = load_native_kernels(kv_cache.head_dim, group) if native_kernels and on_cpu else None
         self.native_softmax = self.matmul_attention and self.native is not None
+        # The attention kernels read the cache in place: a float cache only (an int8 one is gathered and
+        # dequantised by torch ops).
+        self.native_decode = self.native is not None and not kv_cache.quantized
         # fp32 and bf16 on CPU: prefill chunks through the native kernel, over the cache (every segment gets its table)
-        self.native_prefill = (
-            self.native is not None and kv_cache.dtype in self.native.prefill_dtypes
-        )
+        self.native_prefill = self.native_decode and kv_cache.dtype in self.native.prefill_dtypes
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window
         self.sinks = sinks
@@ -394,7 +395,7 @@ class PagedModelRunner:
             if used < max_blocks:
                 flat.extend([0] * (max_blocks - used))  # padding: block 0's (finite) contents get masked
         lengths = mask = None
-        if self.native is not None:  # the kernel reads each context's own length: no padding
+        if self.native_decode:  # the kernel reads each context's own length: no padding
             lengths = torch.tensor(ctx, dtype=torch.long, device=self.device)
         elif ctx[-1] != kv_len:
             # Boolean (True = attend): as fast as an additive mask here, and one op to build.

@@ -105,8 +105,8 @@ class BlockTier(abc.ABC):
             return False
         self.pool = pool
         kv = pool.kv
-        self.dtype = kv.dtype
-        self.block_shape = (kv.num_layers, 2, kv.block_size, kv.num_kv_heads, kv.head_dim)
+        self.dtype = kv.block_dtype  # int8 with kv_cache_dtype="int8" (scales in each row's last 4 bytes)
+        self.block_shape = kv.block_shape
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix=f"tokenflow-{self.name}-read")
         pool.lower_tiers.append(self)
         if hasattr(self, "on_evict"):
@@ -237,7 +237,7 @@ class BlockTier(abc.ABC):
         with self._write_lock:
             self.blocks_fetched += len(loaded)
         for i, (key, data) in enumerate(loaded):
-            if not bool(torch.isfinite(data).all()):
+            if not self.pool.kv.block_is_finite(data):
                 log.warning("%s: block %s holds non-finite values; dropped", self.name, key.hex)
                 with self._write_lock:
                     self.nonfinite_blocks += 1

@@ -228,8 +228,7 @@ def attend(
     num_heads, head_dim = q_rows.shape[1], q_rows.shape[2]
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
-    cache.k_slots[layer].index_copy_(0, meta.slot_mapping, k_new)
-    cache.v_slots[layer].index_copy_(0, meta.slot_mapping, v_new)
+    cache.write(layer, meta.slot_mapping, k_new, v_new)
     if cache.track_key_bounds:
         update_key_bounds(cache, layer, meta.slot_mapping, k_new)
     if meta.static_decode is not None:

@@ -83,8 +83,10 @@ def _parameter_bytes(model: torch.nn.Module) -> int:
 
 def decode_graph_mode(config: EngineConfig, device: torch.device) -> str | None:
     """How decode-only steps run at fixed shapes (`DecodeGraphs`): "capture" (CUDA graphs) on CUDA with
-    `cuda_graphs`, dense attention and no `compile` (which pads its own); None: the dynamic path."""
-    if config.cuda_graphs and device.type == "cuda" and not config.compile and config.attention_policy.kind == "dense":
+    `cuda_graphs`, dense attention over a float cache and no `compile` (which pads its own); None: the
+    dynamic path."""
+    dense = config.attention_policy.kind == "dense" and config.kv_cache_dtype == "auto"
+    if config.cuda_graphs and device.type == "cuda" and not config.compile and dense:
         return "capture"
     return None
 
@@ -100,6 +102,7 @@ class PagedBackend:
         self.step_peak_bytes = 0  # CUDA: the profiled activations' peak the KV budget left free
         self.int8_bytes = 0  # quantization="int8": the int8 weights' bytes
         self.weight_bytes = 0  # what a forward reads: the model's parameters (int8 ones in their place)
+        self.kv_bytes_per_token = 0
         self.graph_error: str | None = None  # why CUDA graphs are off although asked for
         self.buckets: list[int] = []  # static decode batch sizes, with `compile`
         self.scratch_block = -1
@@ -111,9 +114,11 @@ class PagedBackend:
                 num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_blocks=num_blocks,
                 block_size=self.config.block_size, dtype=dtype, device=device,
                 track_key_bounds=self.config.attention_policy.topk_budget is not None,
+                int8=self.config.kv_cache_dtype == "int8",
             )
         except torch.OutOfMemoryError as exc:
-            per_block = KVCache.bytes_per_block(model.config, self.config.block_size, dtype)
+            per_block = KVCache.bytes_per_block(model.config, self.config.block_size, dtype,
+                                                int8=self.config.kv_cache_dtype == "int8")
             raise ModelLoadError(
                 f"out of memory allocating the KV cache: {num_blocks} blocks of {per_block} bytes "
                 f"({per_block * num_blocks / 2**30:.2f} GiB) on {device}; lower num_kv_blocks, "
@@ -125,7 +130,8 @@ class PagedBackend:
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
         attention = config.attention_policy
-        per_block = KVCache.bytes_per_block(model.config, config.block_size, dtype)
+        int8_kv = config.kv_cache_dtype == "int8"
+        per_block = KVCache.bytes_per_block(model.config, config.block_size, dtype, int8=int8_kv)
         graphs = decode_graph_mode(config, device)
         # With `compile` or CUDA graphs, one extra block past the pool's ids takes the K/V of padding rows.
         extra = 1 if config.compile or graphs else 0
@@ -171,6 +177,7 @@ class PagedBackend:
         if extra:
             self.scratch_block = num_blocks
         self.kv_bytes = per_block * (num_blocks + extra)
+        self.kv_bytes_per_token = per_block // config.block_size
         self.pool = registry.load_pool(
             config.kv_pool, config, num_blocks=num_blocks, block_size=config.block_size,
             model_key=ctx.model_key, kv=kv_cache,
@@ -237,7 +244,8 @@ class PagedBackend:
         if self.pool is None:
             return {}
         stats = {**self.pool.stats(), "kv_cache_bytes": self.kv_bytes, "weight_bytes": self.weight_bytes,
-                 "quantization": self.config.quantization or "none"}
+                 "quantization": self.config.quantization or "none", "kv_cache_dtype": self.config.kv_cache_dtype,
+                 "kv_bytes_per_token": self.kv_bytes_per_token}
         if self.step_peak_bytes:
             stats["step_peak_bytes"] = self.step_peak_bytes
         if self.runner is not None and self.runner.graphs is not None:
