@@ -81,6 +81,31 @@ class PagedBatch:
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim", "block_size"), [(3, 3, 64, 16), (4, 1, 32, 8)])
+def test_int8_decode_kernel_equals_attention_over_the_dequantised_cache(
+    kv_heads: int, group: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    """kv_cache_dtype="int8": the kernel reads int8 rows and their scales in place; the exact answer is fp64
+    attention over the same values dequantised, as KVCache.gather hands them to the torch-ops path."""
+    from tokenflow.kv.kv_cache import dequantize_int8, quantize_int8
+
+    lengths = [1, block_size, block_size + 1, 3 * block_size, 57, 200, 333, 2]
+    batch = PagedBatch(lengths, kv_heads, group, head_dim, block_size, dtype=torch.float32)
+    (k8, ks), (v8, vs) = quantize_int8(batch.k), quantize_int8(batch.v)
+    batch.k, batch.v = dequantize_int8(k8, ks, torch.float32), dequantize_int8(v8, vs, torch.float32)
+    exact = batch.exact()  # over the dequantised values
+    batch.q = batch.q.to(dtype)
+    kernels = load_native_kernels(head_dim, group)
+    assert kernels is not None
+    out = kernels.decode_int8(batch.q, k8, v8, ks, vs, batch.tables, torch.tensor(lengths), max(lengths), block_size,
+                              batch.scale)
+    assert out.shape == batch.q.shape and out.dtype == dtype
+    error = (out.double() - exact).abs().max().item()
+    assert error < (2e-2 if dtype == BF16 else 1e-5), error  # a wrong scale or slot would be off by ~0.1-1
+
+
+@needs_compiler
 @pytest.mark.parametrize(
     ("kv_heads", "group", "head_dim", "block_size"),
     [(3, 3, 64, 16), (2, 4, 128, 16), (1, 8, 64, 32), (4, 1, 32, 8)],

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ("KVCache",)
+__all__ = ("KVCache", "dequantize_int8", "quantize_int8")
 
 
 class KVCache:
@@ -128,7 +128,7 @@ class KVCache:
         """
         shape = (block_ids.shape[0], self.block_size, self.num_kv_heads, self.head_dim)
         if self.quantized:  # fresh tensors: dequantising allocates anyway
-            k, v = (_dequantize(codes.index_select(0, block_ids), scales.index_select(0, block_ids), self.dtype)
+            k, v = (dequantize_int8(codes.index_select(0, block_ids), scales.index_select(0, block_ids), self.dtype)
                     for codes, scales in self._stores(layer))
             return k, v
         numel = shape[0] * shape[1] * shape[2] * shape[3]
@@ -149,7 +149,7 @@ class KVCache:
             return
         for new, codes, scales in ((k_new, self.k_slots[layer], self.k_scale_slots[layer]),
                                    (v_new, self.v_slots[layer], self.v_scale_slots[layer])):
-            q, scale = _quantize(new)
+            q, scale = quantize_int8(new)
             codes.index_copy_(0, slot_mapping, q)
             scales.index_copy_(0, slot_mapping, scale)
 
@@ -259,7 +259,7 @@ class KVCache:
         )
 
 
-def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes `[..., head_dim]` and fp32 scales `[...]` of `x`, symmetric per row."""
     scale = x.float().abs().amax(-1) / 127
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -267,5 +267,5 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
-def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (codes.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)

@@ -206,11 +206,12 @@ class PagedModelRunner:
         on_cpu = kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float32)
         self.native = load_native_kernels(kv_cache.head_dim, group) if native_kernels and on_cpu else None
         self.native_softmax = self.matmul_attention and self.native is not None
-        # The attention kernels read the cache in place: a float cache only (an int8 one is gathered and
-        # dequantised by torch ops).
-        self.native_decode = self.native is not None and not kv_cache.quantized
-        # fp32 and bf16 on CPU: prefill chunks through the native kernel, over the cache (every segment gets its table)
-        self.native_prefill = self.native_decode and kv_cache.dtype in self.native.prefill_dtypes
+        # The decode kernels read the cache in place (an int8 one dequantised as it is read).
+        self.native_decode = self.native is not None
+        # fp32 and bf16 on CPU: prefill chunks through the native kernel over a float cache (every segment gets
+        # its table); over an int8 cache they gather and dequantise with torch ops.
+        self.native_prefill = (self.native is not None and not kv_cache.quantized
+                               and kv_cache.dtype in self.native.prefill_dtypes)
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window
         self.sinks = sinks

@@ -239,6 +239,13 @@ def attend(
         n = grp.q_end - grp.q_start
         # One query per sequence: the G heads sharing a KV head become G query rows against it.
         q = q_rows[grp.q_start : grp.q_end].reshape(n, num_kv_heads, group, head_dim)  # [n, KVH, G, D]
+        if grp.lengths is not None and meta.native is not None and cache.quantized:
+            out = meta.native.decode_int8(
+                q, cache.k_slots[layer], cache.v_slots[layer], cache.k_scale_slots[layer], cache.v_scale_slots[layer],
+                grp.block_ids.view(n, grp.max_blocks), grp.lengths, grp.kv_len, cache.block_size, scale,
+            )
+            pieces.append(out.view(n, num_heads, head_dim))
+            continue
         if grp.lengths is not None and meta.native is not None:
             out = meta.native.decode(
                 q, cache.k_slots[layer], cache.v_slots[layer], grp.block_ids.view(n, grp.max_blocks), grp.lengths,

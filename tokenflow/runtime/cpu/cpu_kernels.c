@@ -9,6 +9,7 @@
  *   itself; with AVX512-BF16 it reads the rows in place with bf16 dot products, elsewhere each
  *   sequence's blocks are copied once into a buffer the core's cache holds and widened to fp32.
  * - paged_decode_f32: the same in fp32.
+ * - paged_decode_i8: the same over an int8 cache with per-slot, per-head scales, dequantised as read.
  * - causal_softmax_bf16: the middle of a prefill tile's attention (scale, causal mask, softmax,
  *   rounding) in one pass over the scores instead of four torch ops.
  * - paged_prefill_f32: causal attention of an fp32 prefill chunk over the paged cache, register-blocked
@@ -364,6 +365,74 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                 }
             }
             memcpy(out + (seq * heads + kh * GROUP) * HEAD_DIM, acc, sizeof acc);
+        }
+    }
+    return 0;
+}
+
+/* The same single-token attention over an int8 cache (kv_cache_dtype="int8"): K/V rows of int8 codes with
+ * one fp32 scale per slot and KV head (`k_scale`, `v_scale`: [num_slots, kv_heads]), dequantised as they
+ * are read; queries and output bf16 (`bf16`) or fp32, arithmetic in fp32. scratch: [n, heads * max_length +
+ * heads * HEAD_DIM] fp32. Returns 0, or -1 when group or head_dim differ from the build's. */
+int paged_decode_i8(const void *q, int bf16, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,
+                    const float *v_scale, const int64_t *tables, int64_t max_blocks, const int64_t *lengths, int64_t n,
+                    int64_t kv_heads, int64_t group_arg, int64_t head_dim_arg, int64_t block_size, int64_t max_length,
+                    float scale, float *scratch, void *out)
+{
+    if (head_dim_arg != HEAD_DIM || group_arg != GROUP)
+        return -1;
+    const int64_t heads = kv_heads * GROUP, slot_stride = kv_heads * HEAD_DIM;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t seq = 0; seq < n; ++seq) {
+        const int64_t length = lengths[seq];
+        const int64_t *table = tables + seq * max_blocks;
+        float *probs = scratch + seq * (heads * max_length + heads * HEAD_DIM); /* [heads, max_length] */
+        float *qf = probs + heads * max_length;                                 /* [heads, HEAD_DIM] */
+        for (int64_t i = 0; i < heads * HEAD_DIM; ++i)
+            qf[i] = bf16 ? bf16_to_float(((const uint16_t *)q)[seq * heads * HEAD_DIM + i])
+                         : ((const float *)q)[seq * heads * HEAD_DIM + i];
+        for (int64_t t = 0; t < length; ++t) {
+            const int64_t slot = table[t / block_size] * block_size + t % block_size;
+            const int8_t *krow = k_cache + slot * slot_stride;
+            for (int64_t h = 0; h < heads; ++h) {
+                const int8_t *k = krow + (h / GROUP) * HEAD_DIM;
+                const float *qh = qf + h * HEAD_DIM;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t x = 0; x < HEAD_DIM; ++x)
+                    dot += qh[x] * (float)k[x];
+                probs[h * max_length + t] = dot * k_scale[slot * kv_heads + h / GROUP] * scale;
+            }
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+            float *p = probs + h * max_length;
+            const float inv = 1.f / exp_minus_max(p, length);
+#pragma omp simd
+            for (int64_t t = 0; t < length; ++t)
+                p[t] *= inv;
+        }
+        for (int64_t kh = 0; kh < kv_heads; ++kh) {
+            float acc[GROUP][HEAD_DIM] __attribute__((aligned(64)));
+            memset(acc, 0, sizeof acc);
+            for (int64_t t = 0; t < length; ++t) {
+                const int64_t slot = table[t / block_size] * block_size + t % block_size;
+                const int8_t *v = v_cache + slot * slot_stride + kh * HEAD_DIM;
+                const float vs = v_scale[slot * kv_heads + kh];
+                for (int64_t g = 0; g < GROUP; ++g) {
+                    const float w = probs[(kh * GROUP + g) * max_length + t] * vs;
+#pragma omp simd
+                    for (int64_t x = 0; x < HEAD_DIM; ++x)
+                        acc[g][x] += w * (float)v[x];
+                }
+            }
+            const int64_t at = (seq * heads + kh * GROUP) * HEAD_DIM;
+            for (int64_t i = 0; i < GROUP * HEAD_DIM; ++i) {
+                const float value = (&acc[0][0])[i];
+                if (bf16)
+                    ((uint16_t *)out)[at + i] = float_to_bf16(value);
+                else
+                    ((float *)out)[at + i] = value;
+            }
         }
     }
     return 0;

@@ -65,6 +65,10 @@ class NativeKernels:
         self._decode_f32 = library.paged_decode_f32
         self._decode_f32.argtypes = self._decode.argtypes
         self._decode_f32.restype = ctypes.c_int
+        self._decode_i8 = library.paged_decode_i8
+        self._decode_i8.argtypes = (_P, ctypes.c_int, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I,
+                                    ctypes.c_float, _P, _P)
+        self._decode_i8.restype = ctypes.c_int
         self._softmax = library.causal_softmax_bf16
         self._softmax.argtypes = (_P, _I, _I, _I, _I, ctypes.c_float)
         self._softmax.restype = ctypes.c_int
@@ -115,6 +119,41 @@ class NativeKernels:
         )
         if status != 0:
             raise MemoryError("paged decode: out of memory")  # the geometry was checked above
+        return out
+
+    def decode_int8(
+        self,
+        q: torch.Tensor,  # [n, KVH, G, D] bf16 or fp32
+        k_slots: torch.Tensor,  # [num_slots, KVH, D] int8, contiguous
+        v_slots: torch.Tensor,
+        k_scales: torch.Tensor,  # [num_slots, KVH] fp32, contiguous
+        v_scales: torch.Tensor,
+        tables: torch.Tensor,  # [n, max_blocks] int64
+        lengths: torch.Tensor,  # [n] int64, each in 1 .. max_length
+        max_length: int,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """`decode` over an int8 cache (`KVCache(int8=True)`), dequantised as it is read; `[n, KVH, G, D]`."""
+        n, kv_heads, group, head_dim = q.shape
+        if (head_dim, group) != (self.head_dim, self.group):
+            raise ValueError(f"built for head_dim {self.head_dim}, group {self.group}; got {head_dim}, {group}")
+        if k_slots.dtype != torch.int8 or k_scales.dtype != torch.float32 or q.dtype not in (torch.bfloat16,
+                                                                                             torch.float32):
+            raise ValueError("int8 paged decode needs int8 caches, fp32 scales and bf16 or fp32 queries")
+        if not all(t.is_contiguous() for t in (k_slots, v_slots, k_scales, v_scales, tables)):
+            raise ValueError("int8 paged decode needs contiguous caches, scales and block tables")
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        heads = kv_heads * group
+        scratch = torch.empty(n * (heads * max_length + heads * head_dim), dtype=torch.float32)
+        status = self._decode_i8(
+            q.data_ptr(), int(q.dtype == torch.bfloat16), k_slots.data_ptr(), v_slots.data_ptr(), k_scales.data_ptr(),
+            v_scales.data_ptr(), tables.data_ptr(), tables.shape[1], lengths.data_ptr(), n, kv_heads, group, head_dim,
+            block_size, max_length, scale, scratch.data_ptr(), out.data_ptr(),
+        )
+        if status != 0:
+            raise ValueError("int8 paged decode refused its geometry")  # checked above
         return out
 
     def prefill(
