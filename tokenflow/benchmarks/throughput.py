@@ -46,6 +46,7 @@ _WORDS = (
 ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "paged-ngram": {"backend": "paged", "speculative_tokens": 3},  # n-gram speculative decoding
     "paged-int8": {"backend": "paged", "quantization": "int8"},  # int8 weights and activations (CPU, VNNI)
+    "paged-kv-int8": {"backend": "paged", "kv_cache_dtype": "int8"},  # int8 KV cache
 }
 PEERS = ("vllm",)
 PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
@@ -222,7 +223,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--engines", default="paged,paged-ngram,hf,naive",
                    help="comma list of paged, paged-ngram (paged with speculative_tokens=3), paged-int8 "
-                        "(paged with quantization=int8), hf, naive")
+                        "(quantization=int8), paged-kv-int8 (kv_cache_dtype=int8), hf, naive")
     p.add_argument("--peers", default="", help="comma list of peer engines run beside tokenflow: vllm")
     p.add_argument("--scenarios", default="standard", help="comma list of standard, shared-prefix, restart")
     p.add_argument("--concurrency", default="1,16", help="comma list of client counts (standard)")
