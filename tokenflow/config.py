@@ -135,6 +135,11 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     topk_budget: Positive = 1024  # topk: tokens (whole blocks) each decode query attends to
     warmup: bool = False  # run short requests at start (each decode batch size) so the first user request is fast
     compile: bool = False  # torch.compile the decoder layers' MLPs on padded, static decode batch sizes
+    # keep only the prompt K/V its last window attends to most (SnapKV), 1/ratio of it, for prompts this long
+    kv_compression: Literal["snapkv"] | None = None
+    kv_compression_ratio: Annotated[float, msgspec.Meta(ge=1.0)] = 4.0
+    kv_compression_min_tokens: Positive = 1024
+    kv_compression_window: Annotated[int, msgspec.Meta(ge=2)] = 32  # last prompt tokens: they score, and are kept
     kv_cache_dtype: Literal["auto", "int8"] = "auto"  # auto: the model's dtype; int8: per token and KV head scales
     quantization: Literal["int8"] | None = None  # paged on CPU, Llama-family: int8 weights and activations (VNNI)
     cuda_graphs: bool = True  # paged on CUDA, Llama-family models: decode steps replayed from CUDA graphs
@@ -153,6 +158,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
             raise ValueError(f"`device` must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.speculative_tokens and self.attention != "dense":
             raise ValueError("`speculative_tokens` needs attention='dense'")
+        if self.kv_compression and self.attention != "dense":
+            raise ValueError("`kv_compression` needs attention='dense'")
         if self.kv_cache_dtype == "int8" and self.attention == "topk":
             raise ValueError("kv_cache_dtype='int8' does not run with attention='topk' (whose bounds read the cache)")
 

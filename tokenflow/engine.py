@@ -26,6 +26,7 @@ from tokenflow.config import EngineConfig
 from tokenflow.errors import DeadlineExceeded, EngineClosed, EngineError, InvalidRequest, TokenflowError
 from tokenflow.hub import resolve_model
 from tokenflow.kv.block_hash import model_key
+from tokenflow.kv.compression import PromptCompressor
 from tokenflow.limits import RequestLimits
 from tokenflow.output.processor import OutputProcessor, usage_of
 from tokenflow.params import STRUCTURED_FIELDS, Chunk, Completion, SamplingParams, ToolCall
@@ -112,6 +113,7 @@ class Engine:
         policy = config.attention_policy.fingerprint  # the KV each block holds depends on these too
         if config.quantization:
             policy += f";quantization={config.quantization}"
+        # kv_compression leaves the shared prefix blocks whole (compacted blocks are never hashed): no key change
         if config.kv_cache_dtype != "auto":
             policy += f";kv_cache_dtype={config.kv_cache_dtype}"
         fingerprint = await model_thread.run(model_key, loaded.model, config.block_size, policy)
@@ -138,9 +140,12 @@ class Engine:
         self.output = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, loaded.max_model_len)
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids,
                                         config.grammar_cache_size)
+        compressor = None
+        if config.kv_compression and ctx.pool is not None and hasattr(backend, "compress_kv"):
+            compressor = PromptCompressor(config, ctx.pool, backend, model_thread)
         self._loop = StepLoop(
             backend, scheduler, self.output, loaded, ctx.observers, model_thread=model_thread, pool=ctx.pool,
-            debug_leaks=config.debug_leaks,
+            debug_leaks=config.debug_leaks, compressor=compressor,
         )
         self._chain = _build_chain(stages, self._enqueue)
         self._background = _spawn(self._loop.run, "tokenflow-step-loop")

@@ -188,7 +188,7 @@ class Scheduler(Protocol):
     - `add(request)`: queue a tokenized request, or raise `InvalidRequest` (it can never fit: prompt +
       `max_tokens` beyond the whole KV pool). Never blocks.
     - `schedule() -> StepPlan`: the next step's chunks under `max_batch_tokens` and `max_num_seqs`. For
-      every chunk, the request's `block_table` covers `num_computed_tokens + chunk.num_tokens` tokens
+      every chunk, the request's `block_table` covers `num_kv_tokens + chunk.num_tokens` tokens
       (blocks from `ctx.pool`). A request given up on for good goes to `plan.rejected` with its error;
       a preempted one to `plan.preempted`, after its blocks were released and `num_computed_tokens`
       reset to 0 (its tokens are kept: it recomputes). A chunk may carry a `draft` of guessed tokens

@@ -119,7 +119,8 @@ class Request:
     the batcher and model stage advance it in the step loop.
 
     Invariant: `num_computed_tokens <= len(all_token_ids)`; the KV cache holds
-    exactly the first `num_computed_tokens` tokens in `block_table`.
+    exactly the first `num_computed_tokens` tokens in `block_table`, or, once `kv_compression` dropped
+    `num_dropped_tokens` of the prompt's, `num_kv_tokens` of them (the kept prompt positions, then the rest).
     """
 
     params: SamplingParams
@@ -138,6 +139,8 @@ class Request:
     # with params.prompt_logprobs: one entry per prompt token scored so far (None for the first)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     num_computed_tokens: int = 0
+    # kv_compression: prompt tokens whose K/V were dropped; the cache holds `num_kv_tokens` of the computed ones
+    num_dropped_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # Prefix caching: keys of the full blocks hashed so far, how many of the table's blocks are
     # registered in the pool, prompt tokens served from cache, blocks loaded ahead and held for it.
@@ -176,6 +179,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return (self.prompt_token_ids or []) + self.output_token_ids
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose K/V the block table holds (fewer than computed once compressed)."""
+        return self.num_computed_tokens - self.num_dropped_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,7 @@ import anyio.from_thread
 import torch
 
 from tokenflow.errors import EngineError
+from tokenflow.kv.compression import PromptCompressor
 from tokenflow.output.processor import OutputProcessor
 from tokenflow.protocols import (
     EngineObserver,
@@ -77,9 +78,10 @@ class StepLoop:
     def __init__(
         self, backend: StepBackend | StaticBackend, scheduler: Scheduler | StaticScheduler, output: OutputProcessor,
         loaded: LoadedModel, observers: list[EngineObserver], *, model_thread: ModelThread,
-        pool: KVPool | None = None, debug_leaks: bool = False,
+        pool: KVPool | None = None, debug_leaks: bool = False, compressor: PromptCompressor | None = None,
     ) -> None:
         self.observers = observers
+        self.compressor = compressor  # kv_compression: shrinks each long prompt's K/V after its prefill
         self.model_thread = model_thread
         self.debug_leaks = debug_leaks
         # Requests handed to the scheduler that are unfinished or still hold blocks (pruned as they
@@ -218,6 +220,8 @@ class StepLoop:
         for request, error in result.failed:
             self._fail(request, error)
         self._ended(result.finished, result.num_tokens)
+        if self.compressor is not None:
+            await self.compressor.run(plan)
         self.last_step_ms = (time.perf_counter() - started) * 1e3
         if plan.num_tokens == len(plan.chunks):  # a decode-only step: track its time by batch size
             recent = self._decode_step_ms.setdefault(len(plan.chunks), collections.deque(maxlen=256))
@@ -479,6 +483,8 @@ class StepLoop:
                    "forward": round(statistics.median(f for _, f in times), 2), "count": len(times)}
             for size, times in sorted(self._decode_step_ms.items())
         }
+        if self.compressor is not None:
+            stats.update(self.compressor.stats())
         stats.update(self.scheduler.stats())
         stats.update(self.backend.stats())
         return stats

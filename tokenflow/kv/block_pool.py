@@ -175,6 +175,13 @@ class BlockPool:
             self.free(request.pinned_blocks)
             request.pinned_blocks = []
 
+    def replace_table(self, request: Request, table: list[int]) -> None:
+        """Give `request` the blocks `table` (allocated for it) in place of its block table, whose references
+        are dropped (kv_compression's swap to the compacted copy)."""
+        old = request.block_table
+        request.block_table = list(table)
+        self.free([b for b in old if b >= 0])
+
     def trim(self, request: Request, keep_from: int, sink_tokens: int) -> int:
         """Free the request's blocks wholly between its first `sink_tokens` tokens and position
         `keep_from` (sliding attention never reads them again); their table entries become -1.

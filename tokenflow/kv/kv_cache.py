@@ -153,6 +153,17 @@ class KVCache:
             codes.index_copy_(0, slot_mapping, q)
             scales.index_copy_(0, slot_mapping, scale)
 
+    def copy_positions(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy each KV head's own slots `src [kv_heads, n]` to the slots `dst [n]` (kv_compression's
+        compaction; `dst` must not overlap any of `src`)."""
+        heads = torch.arange(self.num_kv_heads, device=self.device)[:, None]
+        stores = [(self.k_slots[layer], self.v_slots[layer])]
+        if self.quantized:
+            stores.append((self.k_scale_slots[layer], self.v_scale_slots[layer]))
+        for pair in stores:
+            for slots in pair:
+                slots[dst] = slots[src, heads].transpose(0, 1)  # [n, KVH, ...]
+
     @staticmethod
     def geometry(model_config: Any) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim) of a transformers config (text part of multimodal ones)."""

@@ -178,7 +178,7 @@ class PrefixCache(BlockPool):
             request.num_cached_tokens = request.num_computed_tokens
 
     def commit(self, request: Request) -> None:
-        if not self.prefix_caching:
+        if not self.prefix_caching or request.num_dropped_tokens:  # compressed blocks stay the request's own
             return
         upto = min(request.num_computed_tokens // self.block_size, len(request.block_table))
         if upto <= request.num_committed_blocks:
@@ -202,6 +202,17 @@ class PrefixCache(BlockPool):
                     self.policy.on_access(block, depth, self._tick)
         super().release(request)
         request.num_committed_blocks = 0
+
+    def replace_table(self, request: Request, table: list[int]) -> None:
+        """As `BlockPool.replace_table`; the full blocks given up stay cached as the uncompressed prefix (noted
+        as used now, as at a release)."""
+        self.commit(request)
+        if self.prefix_caching:
+            self._tick += 1
+            for depth, block in enumerate(request.block_table):
+                if block in self._key_of:
+                    self.policy.on_access(block, depth, self._tick)
+        super().replace_table(request, table)
 
     # -- lower tiers ------------------------------------------------------------------
     def restore(self, key: BlockKey, data: torch.Tensor, request: Request | None) -> bool:

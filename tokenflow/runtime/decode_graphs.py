@@ -126,7 +126,7 @@ class DecodeGraphs:
         for i, c in enumerate(chunks):
             pos = c.start_pos
             ids[i] = c.token_ids[0]
-            positions[i] = pos
+            positions[i] = pos + c.position_offset
             slots[i] = c.block_table[pos // bs] * bs + pos % bs
             lengths[i] = pos + 1
             used = pos // bs + 1

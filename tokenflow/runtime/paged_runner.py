@@ -36,6 +36,7 @@ from tokenflow.runtime.attention.paged import (
     sdpa_backends,
 )
 from tokenflow.runtime.attention.sliding import SlidingSegment, build_segment
+from tokenflow.runtime.attention.snapkv import select_positions
 from tokenflow.runtime.attention.topk import RECENT_BLOCKS, TopkDecode
 from tokenflow.runtime.cpu.native_kernels import load_native_kernels
 from tokenflow.runtime.decode_graphs import DecodeGraphs
@@ -53,10 +54,11 @@ class SeqChunk:
     """The work of one sequence in one step."""
 
     token_ids: list[int]  # tokens to compute now: a prefill chunk or one decode token
-    start_pos: int  # this sequence's tokens already in the KV cache (positions start_pos .. +len-1)
+    start_pos: int  # this sequence's tokens already in the KV cache (cache positions start_pos .. +len-1)
     block_table: list[int]  # the sequence's blocks, covering at least start_pos + len(token_ids) tokens
     sample: bool  # whether the logits of the last token are wanted
     num_logits: int = 1  # with `sample`: logits of this many last tokens (a draft being verified)
+    position_offset: int = 0  # RoPE position minus cache position (tokens dropped by kv_compression)
 
 
 class _PackedRows:
@@ -77,7 +79,7 @@ class _PackedRows:
         first = len(self.ids)
         s, e = c.start_pos, c.start_pos + len(c.token_ids)
         self.ids.extend(c.token_ids)
-        self.pos.extend(range(s, e))
+        self.pos.extend(range(s + c.position_offset, e + c.position_offset))
         table = c.block_table
         for b in range(s // bs, -(-e // bs)):  # slots block by block, not token by token
             base = table[b] * bs - b * bs
@@ -414,6 +416,21 @@ class PagedModelRunner:
             mask=mask,
             lengths=lengths,
         )
+
+    def compress(self, window: SeqChunk, table: list[int], keep: int, sinks: int) -> None:
+        """kv_compression: run `window` (the prompt's last tokens, computed again) as a scoring step, then copy
+        each layer's and KV head's `keep` best prompt positions (`attention.snapkv`) into the blocks `table`."""
+        step = self.prepare([window], self.kv_cache)
+        step.meta.key_scores = []
+        self._forward(step)  # rewrites the window's K/V (the same values) and records every layer's scores
+        bs, device = self.block_size, self.device
+        old = torch.tensor(window.block_table, dtype=torch.long, device=device)
+        new = torch.tensor(table, dtype=torch.long, device=device)
+        kept = torch.arange(keep, device=device)
+        dst = new[kept // bs] * bs + kept % bs
+        for layer, scores in enumerate(step.meta.key_scores):
+            positions = select_positions(scores, keep, sinks, len(window.token_ids))  # [KVH, keep]
+            self.kv_cache.copy_positions(layer, old[positions // bs] * bs + positions % bs, dst)
 
     # ------------------------------------------------------------ self-check
     def self_check(self) -> None:

@@ -220,14 +220,14 @@ class Scheduler:
         if request.constraint is not None:
             draft = valid_draft(request.constraint, draft)
         if draft:
-            needed = self.pool.blocks_needed(request.num_computed_tokens + 1 + len(draft)) - len(request.block_table)
+            needed = self.pool.blocks_needed(request.num_kv_tokens + 1 + len(draft)) - len(request.block_table)
             if needed > 0 and not self.pool.can_allocate(needed + len(self.running)):
                 return []
         return draft
 
     def _reserve(self, request: Request, num_new: int, plan: StepPlan, scheduled: set[int]) -> bool:
         """Give `request` blocks for `num_new` more tokens, preempting others if needed."""
-        needed = self.pool.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_table)
+        needed = self.pool.blocks_needed(request.num_kv_tokens + num_new) - len(request.block_table)
         while needed > 0 and not self.pool.can_allocate(needed):
             victim = self._pick_victim()
             if victim is None or victim is request:  # it is the worst placed itself: it yields
@@ -252,6 +252,7 @@ class Scheduler:
         self.running.remove(request)
         self._release(request)
         request.num_computed_tokens = 0
+        request.num_dropped_tokens = 0  # a compressed prompt is recomputed whole (and compressed again)
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1

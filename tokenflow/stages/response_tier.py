@@ -37,7 +37,9 @@ log = logging.getLogger("tokenflow")
 
 _NOT_IN_KEY = frozenset({"priority", "timeout", "deadline", "cache_response"})
 # Engine settings that change an answer for the same request (a prompt's rendering or its default length).
-_ANSWER_SETTINGS = ("default_max_tokens", "clamp_max_tokens", "allow_special_tokens_in_chat")
+# Settings that change answers without changing the KV blocks' keys (kv_compression keeps shared prefix blocks whole).
+_ANSWER_SETTINGS = ("default_max_tokens", "clamp_max_tokens", "allow_special_tokens_in_chat", "kv_compression",
+                    "kv_compression_ratio", "kv_compression_min_tokens", "kv_compression_window")
 
 
 class StoredResponse(msgspec.Struct):

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.runtime.attention.matmul import decode_attention, prefill_attention
 from tokenflow.runtime.attention.sliding import SlidingSegment, sliding_attention
+from tokenflow.runtime.attention.snapkv import key_scores
 from tokenflow.runtime.attention.static_decode import StaticDecode, static_decode_attention
 from tokenflow.runtime.attention.topk import TopkDecode, topk_attention, update_key_bounds
 from tokenflow.runtime.cpu.native_kernels import NativeKernels
@@ -122,6 +123,9 @@ class PagedAttentionMetadata:
     native_prefill: bool = False  # prefill segments through `native.prefill` (each has its block_ids)
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
     static_decode: StaticDecode | None = None  # a decode-only step of fixed shapes (CUDA graphs): nothing else
+    # kv_compression's scoring step: when a list, each layer appends the attention its (single) prefill segment's
+    # queries give every key, `[kv_heads, kv_len]` (`runtime.kv_compression.key_scores`)
+    key_scores: list[torch.Tensor] | None = None
 
 
 def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager[None]:
@@ -263,6 +267,13 @@ def attend(
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scale)  # [n, KVH, G, D]
         pieces.append(out.reshape(n, num_heads, head_dim))  # a view unless the kernel's layout differs
+
+    if meta.key_scores is not None:
+        seg = meta.prefills[0]
+        assert seg.block_ids is not None  # a scoring step is a chunk after the prompt's start
+        k_blocks, _ = cache.gather(layer, seg.block_ids)
+        keys = k_blocks.reshape(-1, num_kv_heads, head_dim)[: seg.kv_len]  # [kv_len, KVH, D]
+        meta.key_scores.append(key_scores(q_rows[seg.q_start : seg.q_end], keys, scale, seg.start_pos))
 
     for seg in meta.prefills:
         if meta.native_prefill:  # the runner gave every segment its table

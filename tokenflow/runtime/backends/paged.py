@@ -214,6 +214,11 @@ class PagedBackend:
                 self.runner.graphs.scratch_block = num_blocks
         self.kv_bytes = kv.nbytes
 
+    def compress_kv(self, window: SeqChunk, table: list[int], keep: int, sinks: int) -> None:
+        """Model thread: kv_compression of one prompt (`PagedModelRunner.compress`)."""
+        assert self.runner is not None
+        self.runner.compress(window, table, keep, sinks)
+
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Blocking: one forward; logits in plan order, `num_logit_rows` rows per chunk (one per sampling
         chunk plus one per draft token, and every row of a chunk that scores prompt tokens)."""
@@ -230,7 +235,8 @@ class PagedBackend:
             if c.draft:  # verified in the same forward: the logits of every draft position are kept
                 tokens = tokens + c.draft
             rows = c.num_logit_rows
-            chunks.append(SeqChunk(tokens, start, r.block_table, rows > 0, max(rows, 1)))
+            dropped = r.num_dropped_tokens  # kv_compression: the cache holds fewer positions than were computed
+            chunks.append(SeqChunk(tokens, start - dropped, r.block_table, rows > 0, max(rows, 1), dropped))
         if self.buckets and plan.num_tokens == len(chunks):  # decode-only: pad to a static batch size
             pad = padded_size(len(chunks), self.buckets) - len(chunks)
             chunks.extend(SeqChunk([0], 0, [self.scratch_block], False) for _ in range(pad))
