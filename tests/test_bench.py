@@ -62,3 +62,26 @@ async def test_clients_measure_every_request_and_reuse_the_history(tiny_model) -
     for second in seconds:  # the whole first turn, its two reply tokens, the terminator, the next turn
         first = next(f for f in firsts if second[: len(f)] == f)
         assert second[len(first) + 2] == 99 and second[len(first) + 3:] in ([12], [21, 22])
+
+
+@pytest.mark.slow  # several engines in turn: ~1 min
+def test_bench_quality_measures_every_variant_and_compression(tiny_model, tmp_path) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 97} and sentence {i} of the held-out text." for i in range(600)))
+    out = tmp_path / "quality.json"
+    cmd = [sys.executable, "-m", "tokenflow", "bench-quality", "--model", str(tiny_model), "--text", str(text),
+           "--tokens", "640", "--window", "256", "--max-tokens", "8", "--variants", "fp32,bf16,int8 KV",
+           "--compression-ratios", "2,4", "--continuation-prefix", "256", "--continuation-tokens", "64",
+           "--retrieval-lengths", "300", "--retrieval-trials", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert set(rows) == {"fp32", "bf16", "int8 KV"}
+    assert rows["fp32"]["mean_common_prefix"] == 8 and rows["fp32"]["identical_answers"] == 16
+    assert all(r["perplexity"] > 1 and r["scored_tokens"] == 637 for r in rows.values())  # 255 + 255 + 127
+    ratios = [r["ratio"] for r in data["compression"]]
+    assert ratios == [1.0, 2.0, 4.0]
+    for r in data["compression"]:
+        assert r["perplexity"] > 1 and r["retrieval_300"]["trials"] == 2
+        assert r["retrieval_300"]["compressed"] == (0 if r["ratio"] == 1.0 else 2)

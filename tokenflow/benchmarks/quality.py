@@ -5,6 +5,8 @@
   `--window` tokens, each window a request of its own.
 * Greedy agreement with fp32: chat prompts answered greedily (EOS ignored); for each variant, the
   mean length of the common prefix of its tokens and fp32's, and how many answers are identical.
+* kv_compression at each `--compression-ratios` against dense: perplexity of a continuation decoded
+  over a compressed prefix, and pass-key retrieval from long documents (`benchmarks.compression`).
 
 Variants: fp32, bf16, bf16 with `quantization="int8"`, with `kv_cache_dtype="int8"`, and both; each
 engine runs in this process one after the other, with the same requests. Windows are prefilled in
@@ -105,9 +107,49 @@ def run_bench_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
             "scored_tokens": r["scored_tokens"], "weight_bytes": r["weight_bytes"], "load_s": r["load_s"],
         })
     _print(rows, args)
+    compression = _compression_rows(args, ids) if args.compression_ratios else []
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"rows": rows, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                                   "args": vars(args)}, indent=1))
+        Path(args.json_out).write_text(json.dumps({"rows": rows, "compression": compression, "args": vars(args),
+                                                   "started": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+    return rows
+
+
+def _compression_rows(args: argparse.Namespace, ids: list[int]) -> list[dict[str, Any]]:
+    """kv_compression at each ratio against dense (bf16): continuation perplexity and pass-key retrieval."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenflow.benchmarks.compression import continuation_perplexity, passkey_hit_rate
+    from tokenflow.hub import resolve_model
+
+    length = args.continuation_prefix + args.continuation_tokens
+    windows = [ids[i:i + length] for i in range(0, len(ids) - length + 1, length)]
+    lengths = [int(n) for n in args.retrieval_lengths.split(",") if n]
+    ratios: list[float | None] = [None, *(float(r) for r in args.compression_ratios.split(",") if r)]
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model).path, dtype=torch.bfloat16).eval()
+    rows = []
+    for ratio in ratios:
+        row: dict[str, Any] = {"ratio": ratio or 1.0, "perplexity": round(
+            continuation_perplexity(model, windows, args.continuation_prefix, ratio), 3)}
+        settings: dict[str, Any] = {"dtype": "bfloat16"}
+        if ratio is not None:
+            settings.update(kv_compression="snapkv", kv_compression_ratio=ratio, kv_compression_min_tokens=64)
+        for tokens in lengths:
+            row[f"retrieval_{tokens}"] = anyio.run(passkey_hit_rate, args.model, settings, tokens,
+                                                   args.retrieval_trials)
+        rows.append(row)
+        print(f"compression ratio {row['ratio']}: {row}", flush=True)
+    dense = rows[0]
+    print(f"\nkv_compression (bf16): perplexity of {args.continuation_tokens} tokens after a compressed "
+          f"{args.continuation_prefix}-token prefix, {len(windows)} windows; pass-key hits out of "
+          f"{args.retrieval_trials} at each document length (prompt tokens)")
+    head = " | ".join(f"retrieval at {dense[f'retrieval_{t}']['prompt_tokens']} tokens" for t in lengths)
+    print(f"| ratio | perplexity | vs dense | {head} |")
+    print("|---|---|---|" + "---|" * len(lengths))
+    for r in rows:
+        cells = " | ".join(f"{r[f'retrieval_{t}']['hits']} / {r[f'retrieval_{t}']['trials']}" for t in lengths)
+        print(f"| {'dense' if r['ratio'] == 1.0 else r['ratio']} | {r['perplexity']:.3f} | "
+              f"{r['perplexity'] / dense['perplexity']:.4f} | {cells} |")
     return rows
 
 
@@ -130,4 +172,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the text scored")
     p.add_argument("--window", type=int, default=1024, help="tokens per scored window (one request each)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per greedy answer")
+    p.add_argument("--compression-ratios", default="2,4,8", help="kv_compression ratios to measure ('' for none)")
+    p.add_argument("--continuation-prefix", type=int, default=1024, help="compression: tokens prefilled and compressed")
+    p.add_argument("--continuation-tokens", type=int, default=256, help="compression: tokens scored after them")
+    p.add_argument("--retrieval-lengths", default="1000,2500,4000", help="pass-key documents, in tokens")
+    p.add_argument("--retrieval-trials", type=int, default=10, help="pass keys per document length")
     p.add_argument("--json", dest="json_out", default=None)
