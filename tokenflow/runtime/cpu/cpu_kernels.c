@@ -68,6 +68,18 @@ static inline float exp_minus_max(float *s, int64_t n)
     return sum;
 }
 
+/* In place: softmax over the first `length` scores of each of `rows` rows spaced `stride` apart. */
+static inline void softmax_rows(float *scores, int64_t rows, int64_t length, int64_t stride)
+{
+    for (int64_t h = 0; h < rows; ++h) {
+        float *p = scores + h * stride;
+        const float inv = 1.f / exp_minus_max(p, length);
+#pragma omp simd
+        for (int64_t t = 0; t < length; ++t)
+            p[t] *= inv;
+    }
+}
+
 /* One head's row of bf16 keys or values, widened to fp32 once for the GROUP query heads that use it. */
 static inline void load_row(float row[HEAD_DIM], const uint16_t *src)
 {
@@ -344,13 +356,7 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                 probs[h * max_length + t] = dot * scale;
             }
         }
-        for (int64_t h = 0; h < heads; ++h) {
-            float *p = probs + h * max_length;
-            const float inv = 1.f / exp_minus_max(p, length);
-#pragma omp simd
-            for (int64_t t = 0; t < length; ++t)
-                p[t] *= inv;
-        }
+        softmax_rows(probs, heads, length, max_length);
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
             float acc[GROUP][HEAD_DIM] __attribute__((aligned(64)));
             memset(acc, 0, sizeof acc);
@@ -404,13 +410,7 @@ int paged_decode_i8(const void *q, int bf16, const int8_t *k_cache, const int8_t
                 probs[h * max_length + t] = dot * k_scale[slot * kv_heads + h / GROUP] * scale;
             }
         }
-        for (int64_t h = 0; h < heads; ++h) {
-            float *p = probs + h * max_length;
-            const float inv = 1.f / exp_minus_max(p, length);
-#pragma omp simd
-            for (int64_t t = 0; t < length; ++t)
-                p[t] *= inv;
-        }
+        softmax_rows(probs, heads, length, max_length);
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
             float acc[GROUP][HEAD_DIM] __attribute__((aligned(64)));
             memset(acc, 0, sizeof acc);

@@ -86,6 +86,13 @@ class NativeKernels:
         self._rms_norm.argtypes = (_P, _P, _I, _I, ctypes.c_float, _P)
         self._rms_norm.restype = None
 
+    def _geometry(self, q: torch.Tensor) -> tuple[int, int, int, int]:
+        """(n, kv_heads, group, head_dim) of decode queries `[n, KVH, G, D]`, checked against the build's."""
+        n, kv_heads, group, head_dim = q.shape
+        if (head_dim, group) != (self.head_dim, self.group):
+            raise ValueError(f"built for head_dim {self.head_dim}, group {self.group}; got {head_dim}, {group}")
+        return n, kv_heads, group, head_dim
+
     def decode(
         self,
         q: torch.Tensor,  # [n, KVH, G, D] bf16 or fp32 (the caches' dtype)
@@ -101,9 +108,7 @@ class NativeKernels:
 
         The caller guarantees that the tables and lengths index the cache (the runner builds them).
         """
-        n, kv_heads, group, head_dim = q.shape
-        if (head_dim, group) != (self.head_dim, self.group):
-            raise ValueError(f"built for head_dim {self.head_dim}, group {self.group}; got {head_dim}, {group}")
+        n, kv_heads, group, head_dim = self._geometry(q)
         if not (k_slots.is_contiguous() and v_slots.is_contiguous() and tables.is_contiguous()):
             raise ValueError("paged decode needs a contiguous cache and block tables")
         if not (q.dtype == k_slots.dtype == v_slots.dtype and q.dtype in (torch.bfloat16, torch.float32)):
@@ -135,9 +140,7 @@ class NativeKernels:
         scale: float,
     ) -> torch.Tensor:
         """`decode` over an int8 cache (`KVCache(int8=True)`), dequantised as it is read; `[n, KVH, G, D]`."""
-        n, kv_heads, group, head_dim = q.shape
-        if (head_dim, group) != (self.head_dim, self.group):
-            raise ValueError(f"built for head_dim {self.head_dim}, group {self.group}; got {head_dim}, {group}")
+        n, kv_heads, group, head_dim = self._geometry(q)
         if k_slots.dtype != torch.int8 or k_scales.dtype != torch.float32 or q.dtype not in (torch.bfloat16,
                                                                                              torch.float32):
             raise ValueError("int8 paged decode needs int8 caches, fp32 scales and bf16 or fp32 queries")
