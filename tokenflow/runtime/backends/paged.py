@@ -150,28 +150,10 @@ class PagedBackend:
             fused_layers=config.fused_layers and not config.compile,  # compile works on the HF modules
             pack_weights=config.pack_cpu_weights and config.quantization is None,
         )
-        # Only once the runner has accepted the model, so that a refused one is left as it came.
-        fuse_rms_norms(model, self.runner.native)
-        inplace_gated_mlps(model)  # with `compile`, the eager path of shapes it does not compile
-        if config.quantization == "int8":
-            self.int8_bytes = quantize_runner(self.runner, ctx.tokenizer, ctx.model_key, tokenflow_home() / "quantized")
-        elif config.compile:
-            self.buckets = decode_buckets(config.max_num_seqs)
-            compile_mlps(model, set(self.buckets))
-        elif config.pack_cpu_weights and self.runner.fused is None:  # the fused layers pack their own
-            pack_linears(model)
-        self.weight_bytes = self.int8_bytes + _parameter_bytes(model)
-        if profile:
-            try:
-                self.step_peak_bytes = profile_step_peak(
-                    self.runner, config.max_batch_tokens, min(config.max_num_seqs, config.max_batch_tokens))
-            except torch.OutOfMemoryError as exc:
-                raise ModelLoadError(f"out of memory in a step of max_batch_tokens={config.max_batch_tokens} "
-                                     f"tokens with no KV pool yet: lower max_batch_tokens: {exc}") from exc
+        self._prepare_layers(ctx, model)
+        if profile:  # the pool from what the measured step leaves free
             del kv_cache
-            self.runner.kv_cache = None  # type: ignore[assignment]  # freed before the pool is sized
-            torch.cuda.empty_cache()
-            num_blocks = kv_pool_blocks(config, per_block, ctx.max_model_len, device, self.step_peak_bytes)
+            num_blocks = self._pool_after_profile(ctx, per_block)
             kv_cache = self._kv_cache(model, num_blocks + extra, dtype, device)
             self.runner.kv_cache = kv_cache
         if extra:
@@ -183,21 +165,58 @@ class PagedBackend:
             model_key=ctx.model_key, kv=kv_cache,
         )
         if graphs and self.runner.fused is not None:
-            self.runner.graphs = DecodeGraphs(
-                self.runner.fused, kv_cache, batch_sizes=decode_buckets(config.max_num_seqs),
-                max_model_len=ctx.max_model_len, scratch_block=self.scratch_block, capture=graphs == "capture",
-            )
-            if graphs == "capture":
-                try:
-                    self.runner.graphs.capture_all()
-                except Exception as exc:  # e.g. a runtime without graph capture: the dynamic path serves
-                    log.exception("CUDA graph capture failed; decode steps run without graphs")
-                    self.runner.graphs = None
-                    self.graph_error = repr(exc)
-                    torch.cuda.empty_cache()
+            self._decode_graphs(ctx, kv_cache, capture=graphs == "capture")
         ctx.pool = self.pool
         log.info("paged KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size,
                  self.kv_bytes / 2**20)
+
+    def _prepare_layers(self, ctx: EngineContext, model: Any) -> None:
+        """The forward's speed-ups, once the runner has accepted the model (a refused one is left as it came):
+        fused norms and MLPs, then int8 layers, compiled MLPs or packed weights."""
+        assert self.runner is not None
+        config = self.config
+        fuse_rms_norms(model, self.runner.native)
+        inplace_gated_mlps(model)  # with `compile`, the eager path of shapes it does not compile
+        if config.quantization == "int8":
+            self.int8_bytes = quantize_runner(self.runner, ctx.tokenizer, ctx.model_key, tokenflow_home() / "quantized")
+        elif config.compile:
+            self.buckets = decode_buckets(config.max_num_seqs)
+            compile_mlps(model, set(self.buckets))
+        elif config.pack_cpu_weights and self.runner.fused is None:  # the fused layers pack their own
+            pack_linears(model)
+        self.weight_bytes = self.int8_bytes + _parameter_bytes(model)
+
+    def _pool_after_profile(self, ctx: EngineContext, per_block: int) -> int:
+        """CUDA: run one largest step on the runner's provisional cache, free that cache, and size the pool
+        from the memory left after the step's measured peak."""
+        assert self.runner is not None
+        config = self.config
+        try:
+            self.step_peak_bytes = profile_step_peak(
+                self.runner, config.max_batch_tokens, min(config.max_num_seqs, config.max_batch_tokens))
+        except torch.OutOfMemoryError as exc:
+            raise ModelLoadError(f"out of memory in a step of max_batch_tokens={config.max_batch_tokens} "
+                                 f"tokens with no KV pool yet: lower max_batch_tokens: {exc}") from exc
+        self.runner.kv_cache = None  # type: ignore[assignment]  # freed before the pool is sized
+        torch.cuda.empty_cache()
+        return kv_pool_blocks(config, per_block, ctx.max_model_len, self.runner.device, self.step_peak_bytes)
+
+    def _decode_graphs(self, ctx: EngineContext, kv_cache: KVCache, capture: bool) -> None:
+        """Decode steps at fixed shapes, captured as CUDA graphs now (a failed capture leaves them off)."""
+        assert self.runner is not None and self.runner.fused is not None
+        self.runner.graphs = DecodeGraphs(
+            self.runner.fused, kv_cache, batch_sizes=decode_buckets(self.config.max_num_seqs),
+            max_model_len=ctx.max_model_len, scratch_block=self.scratch_block, capture=capture,
+        )
+        if not capture:
+            return
+        try:
+            self.runner.graphs.capture_all()
+        except Exception as exc:  # e.g. a runtime without graph capture: the dynamic path serves
+            log.exception("CUDA graph capture failed; decode steps run without graphs")
+            self.runner.graphs = None
+            self.graph_error = repr(exc)
+            torch.cuda.empty_cache()
 
     def shrink_kv(self, num_blocks: int) -> None:
         """Model thread: free the KV memory of blocks from `num_blocks` on (the pool gave those ids up);
