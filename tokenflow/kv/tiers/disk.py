@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -44,6 +45,10 @@ __all__ = ("DiskTier", "create")
 log = logging.getLogger("tokenflow")
 
 
+READ_AHEAD = 8  # blocks of one load job read at once
+READ_THREADS = 2
+
+
 class DiskTier(ResponseTier, BlockTier):
     """Both a response tier (request path) and a KV tier (below the prefix cache), on one folder."""
 
@@ -55,6 +60,7 @@ class DiskTier(ResponseTier, BlockTier):
         self.store: DiskStore | None = None
         self.responses = ResponseCache(config.response_cache_size, config.response_cache_ttl_s)
         self.load_timeout_s = config.tier_load_timeout_s
+        self._block_readers: ThreadPoolExecutor | None = None  # a load job's block reads, side by side
 
     async def start(self, ctx: EngineContext) -> None:
         self.start_responses(ctx)
@@ -66,7 +72,8 @@ class DiskTier(ResponseTier, BlockTier):
                               secret=config.cache_secret)
         )
         self.start_writer()
-        self.attach(ctx.pool, config.prefetch_concurrency)
+        if self.attach(ctx.pool, config.prefetch_concurrency):
+            self._block_readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tokenflow-disk-block")
 
     async def stop(self) -> None:
         """Write the pool's blocks not yet on disk, hottest first, and let pending writes finish, all
@@ -76,6 +83,8 @@ class DiskTier(ResponseTier, BlockTier):
         if self.pool is not None and self.store is not None:
             await anyio.to_thread.run_sync(self._flush_pool, deadline)
         await anyio.to_thread.run_sync(self.close_threads, deadline - time.monotonic())
+        if self._block_readers is not None:
+            self._block_readers.shutdown(wait=False, cancel_futures=True)  # reads a hung job left behind
         if self.store is not None:
             await anyio.to_thread.run_sync(self.store.resync)
             await anyio.to_thread.run_sync(self.store.close)
@@ -126,16 +135,24 @@ class DiskTier(ResponseTier, BlockTier):
         return self.store is not None and self.store.has_block(key)
 
     def fetch_blocks(self, keys: list[BlockKey]) -> list[tuple[BlockKey, torch.Tensor]]:
-        """Reader thread: consecutive blocks from disk, stopping at the first miss."""
-        loaded = []
-        for key in keys:
-            if self.store is None or not self.store.has_block(key):
-                break
-            data = self.store.get_block(key, self.dtype, self.block_shape)
-            if data is None:
-                break
-            loaded.append((key, data))
+        """Reader thread: consecutive blocks from disk, stopping at the first miss. `READ_AHEAD` blocks at a
+        time are read by `READ_THREADS` threads: a block's file read, MAC and SQLite lookup release the GIL,
+        so a warm restart's shared prefix loads in about half the time on two cores."""
+        loaded: list[tuple[BlockKey, torch.Tensor]] = []
+        for start in range(0, len(keys), READ_AHEAD):
+            batch = keys[start:start + READ_AHEAD]
+            readers = self._block_readers
+            blocks = readers.map(self._read_one, batch) if readers is not None else map(self._read_one, batch)
+            for key, data in zip(batch, blocks):
+                if data is None:
+                    return loaded
+                loaded.append((key, data))
         return loaded
+
+    def _read_one(self, key: BlockKey) -> torch.Tensor | None:
+        if self.store is None or not self.store.has_block(key):
+            return None
+        return self.store.get_block(key, self.dtype, self.block_shape)
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {
