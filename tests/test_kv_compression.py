@@ -63,3 +63,26 @@ def test_compression_needs_dense_attention(tiny_model) -> None:
 
     with pytest.raises(ConfigError, match="kv_compression"):
         Engine(tiny_model, kv_compression="snapkv", attention="sliding")
+
+
+@pytest.mark.parametrize("extra", [{"kv_cache_dtype": "int8"}, {"speculative_tokens": 3}, {"prefix_caching": False}],
+                         ids=["int8-kv", "speculative", "no-prefix-cache"])
+async def test_compression_runs_with_the_other_kv_features(tiny_model, extra) -> None:
+    repetitive = [5 + (j % 40) for j in range(300)]  # n-gram drafts find matches in it
+    async with Engine(tiny_model, **{**SETTINGS, **extra}) as engine:
+        done = await engine.generate(repetitive, max_tokens=40, temperature=0.0, ignore_eos=True)
+        stats = engine.stats()
+    assert len(done.token_ids) == 40 and stats["kv_compressed_requests"] == 1 and stats["kv_blocks_used"] == 0
+    if "speculative_tokens" in extra:
+        assert stats["num_draft_tokens"] > 0
+
+
+async def test_speculation_over_a_compressed_prompt_equals_plain_greedy(tiny_model) -> None:
+    """Drafts verified over compacted K/V (multi-token chunks at shifted cache positions) keep greedy output."""
+    repetitive = [5 + (j % 40) for j in range(300)]
+    outputs = []
+    for extra in ({}, {"speculative_tokens": 3}):
+        async with Engine(tiny_model, **{**SETTINGS, **extra}) as engine:
+            outputs.append((await engine.generate(repetitive, max_tokens=40, temperature=0.0, ignore_eos=True)).token_ids)
+            drafts = engine.stats().get("num_draft_tokens", 0)
+    assert drafts > 0 and outputs[0] == outputs[1]
