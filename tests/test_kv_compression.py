@@ -83,6 +83,7 @@ async def test_speculation_over_a_compressed_prompt_equals_plain_greedy(tiny_mod
     outputs = []
     for extra in ({}, {"speculative_tokens": 3}):
         async with Engine(tiny_model, **{**SETTINGS, **extra}) as engine:
-            outputs.append((await engine.generate(repetitive, max_tokens=40, temperature=0.0, ignore_eos=True)).token_ids)
+            done = await engine.generate(repetitive, max_tokens=40, temperature=0.0, ignore_eos=True)
+            outputs.append(done.token_ids)
             drafts = engine.stats().get("num_draft_tokens", 0)
     assert drafts > 0 and outputs[0] == outputs[1]
