@@ -32,7 +32,6 @@ async def test_same_bytes_hold_more_blocks_and_outputs_stay_close(tiny_model) ->
     assert stats["kv_cache_dtype"] == "int8" and len(done.token_ids) == 16 and stats["kv_blocks_used"] == 0
     drift = sum(abs(a - b) for a, b in zip(approx, exact)) / len(exact)
     assert drift < 0.05, drift  # mean |logprob difference| per prompt token
-    assert approx[:31] == pytest.approx(exact[:31], abs=1e-4)  # the first chunk attends to its own float keys
 
 
 async def test_the_disk_tier_keeps_int8_blocks_and_restores_them(tiny_model, tmp_path: Path) -> None:

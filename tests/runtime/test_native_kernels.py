@@ -312,3 +312,26 @@ def test_a_second_openmp_runtime_turns_the_kernel_off(tmp_path, monkeypatch: pyt
         assert load_native_kernels(64, 3) is None
     finally:
         load_native_kernels.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.parametrize(("start", "t"), [(0, 300), (37, 90), (200, 1)])
+def test_int8_prefill_kernel_equals_the_fp32_one_over_the_dequantised_cache(start: int, t: int) -> None:
+    """kv_cache_dtype="int8": the fp32 prefill kernel, dequantising as it packs, gives what the fp32 kernel
+    gives over the same values dequantised beforehand."""
+    from tokenflow.kv.kv_cache import dequantize_int8, quantize_int8
+
+    kv_heads, group, head_dim, block_size = 3, 3, 64, 16
+    kernels = load_native_kernels(head_dim, group)
+    assert kernels is not None
+    g = torch.Generator().manual_seed(start + t)
+    blocks = -(-(start + t) // block_size)
+    table = torch.randperm(blocks + 4, generator=g)[:blocks]
+    slots = (blocks + 4) * block_size
+    (k8, ks), (v8, vs) = (quantize_int8(torch.randn(slots, kv_heads, head_dim, generator=g)) for _ in range(2))
+    q = torch.randn(t, kv_heads * group, head_dim, generator=g)
+    got = kernels.prefill_int8(q, k8, v8, ks, vs, table, block_size, start, head_dim**-0.5)
+    want = kernels.prefill(q, dequantize_int8(k8, ks, torch.float32), dequantize_int8(v8, vs, torch.float32), table,
+                           block_size, start, head_dim**-0.5)
+    assert got.shape == (t, kv_heads * group, head_dim)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

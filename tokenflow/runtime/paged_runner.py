@@ -210,10 +210,10 @@ class PagedModelRunner:
         self.native_softmax = self.matmul_attention and self.native is not None
         # The decode kernels read the cache in place (an int8 one dequantised as it is read).
         self.native_decode = self.native is not None
-        # fp32 and bf16 on CPU: prefill chunks through the native kernel over a float cache (every segment gets
-        # its table); over an int8 cache they gather and dequantise with torch ops.
-        self.native_prefill = (self.native is not None and not kv_cache.quantized
-                               and kv_cache.dtype in self.native.prefill_dtypes)
+        # fp32 and bf16 on CPU: prefill chunks through the native kernel over the cache (every segment gets its
+        # table); over an int8 cache its fp32 form, dequantising as it packs the keys.
+        self.native_prefill = self.native is not None and (
+            torch.float32 if kv_cache.quantized else kv_cache.dtype) in self.native.prefill_dtypes
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window
         self.sinks = sinks

@@ -276,6 +276,14 @@ def attend(
         meta.key_scores.append(key_scores(q_rows[seg.q_start : seg.q_end], keys, scale, seg.start_pos))
 
     for seg in meta.prefills:
+        if meta.native_prefill and cache.quantized:  # the runner gave every segment its table
+            assert meta.native is not None and seg.block_ids is not None
+            pieces.append(meta.native.prefill_int8(
+                q_rows[seg.q_start : seg.q_end], cache.k_slots[layer], cache.v_slots[layer],
+                cache.k_scale_slots[layer], cache.v_scale_slots[layer], seg.block_ids, cache.block_size,
+                seg.start_pos, scale,
+            ))
+            continue
         if meta.native_prefill:  # the runner gave every segment its table
             assert meta.native is not None and seg.block_ids is not None
             pieces.append(meta.native.prefill(

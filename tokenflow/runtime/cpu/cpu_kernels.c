@@ -10,6 +10,7 @@
  *   sequence's blocks are copied once into a buffer the core's cache holds and widened to fp32.
  * - paged_decode_f32: the same in fp32.
  * - paged_decode_i8: the same over an int8 cache with per-slot, per-head scales, dequantised as read.
+ * - paged_prefill_i8: paged_prefill_f32 over an int8 cache, dequantised as the keys and values are packed.
  * - causal_softmax_bf16: the middle of a prefill tile's attention (scale, causal mask, softmax,
  *   rounding) in one pass over the scores instead of four torch ops.
  * - paged_prefill_f32: causal attention of an fp32 prefill chunk over the paged cache, register-blocked
@@ -564,9 +565,13 @@ static inline void tile_scores(float *s, const float qb[PREFILL_ROWS][HEAD_DIM],
     }
 }
 
-int paged_prefill_f32(const float *q, const float *k_src, const float *v_src, const int64_t *table,
-                      int64_t block_size, int64_t start, int64_t t, int64_t kv_heads, int64_t group_arg,
-                      int64_t head_dim_arg, float scale, float *out)
+/* The body of paged_prefill_f32 and paged_prefill_i8: keys and values come from fp32 rows (k_src, v_src),
+ * or from int8 rows with one fp32 scale per slot and KV head (k_i8, v_i8, k_scale, v_scale), dequantised as
+ * they are packed. */
+static int prefill_f32(const float *q, const float *k_src, const float *v_src, const int8_t *k_i8,
+                       const int8_t *v_i8, const float *k_scale, const float *v_scale, const int64_t *table,
+                       int64_t block_size, int64_t start, int64_t t, int64_t kv_heads, int64_t group_arg,
+                       int64_t head_dim_arg, float scale, float *out)
 {
     if (head_dim_arg != HEAD_DIM || group_arg != GROUP)
         return -1;
@@ -596,7 +601,15 @@ int paged_prefill_f32(const float *q, const float *k_src, const float *v_src, co
                 memset(vrow, 0, sizeof(float) * HEAD_DIM);
                 continue;
             }
-            const int64_t offset = key_slot(table, j, block_size) * slot_stride + h * HEAD_DIM;
+            const int64_t slot = key_slot(table, j, block_size), offset = slot * slot_stride + h * HEAD_DIM;
+            if (k_i8 != NULL) {
+                const float ks = k_scale[slot * kv_heads + h], vs = v_scale[slot * kv_heads + h];
+                for (int64_t d = 0; d < HEAD_DIM; ++d)
+                    kt[(h * HEAD_DIM + d) * stride + j] = (float)k_i8[offset + d] * ks;
+                for (int64_t d = 0; d < HEAD_DIM; ++d)
+                    vrow[d] = (float)v_i8[offset + d] * vs;
+                continue;
+            }
             for (int64_t d = 0; d < HEAD_DIM; ++d)
                 kt[(h * HEAD_DIM + d) * stride + j] = k_src[offset + d];
             memcpy(vrow, v_src + offset, sizeof(float) * HEAD_DIM);
@@ -667,10 +680,33 @@ int paged_prefill_f32(const float *q, const float *k_src, const float *v_src, co
     free(vp);
     return failed ? -2 : 0;
 }
+int paged_prefill_f32(const float *q, const float *k_src, const float *v_src, const int64_t *table,
+                      int64_t block_size, int64_t start, int64_t t, int64_t kv_heads, int64_t group_arg,
+                      int64_t head_dim_arg, float scale, float *out)
+{
+    return prefill_f32(q, k_src, v_src, NULL, NULL, NULL, NULL, table, block_size, start, t, kv_heads, group_arg,
+                       head_dim_arg, scale, out);
+}
+
+/* paged_prefill_f32 over an int8 cache (kv_cache_dtype="int8"): fp32 queries and output. */
+int paged_prefill_i8(const float *q, const int8_t *k_i8, const int8_t *v_i8, const float *k_scale,
+                     const float *v_scale, const int64_t *table, int64_t block_size, int64_t start, int64_t t,
+                     int64_t kv_heads, int64_t group_arg, int64_t head_dim_arg, float scale, float *out)
+{
+    return prefill_f32(q, NULL, NULL, k_i8, v_i8, k_scale, v_scale, table, block_size, start, t, kv_heads,
+                       group_arg, head_dim_arg, scale, out);
+}
 #else
 int paged_prefill_f32(const float *q, const float *k_src, const float *v_src, const int64_t *table,
                       int64_t block_size, int64_t start, int64_t t, int64_t kv_heads, int64_t group_arg,
                       int64_t head_dim_arg, float scale, float *out)
+{
+    return -1;
+}
+
+int paged_prefill_i8(const float *q, const int8_t *k_i8, const int8_t *v_i8, const float *k_scale,
+                     const float *v_scale, const int64_t *table, int64_t block_size, int64_t start, int64_t t,
+                     int64_t kv_heads, int64_t group_arg, int64_t head_dim_arg, float scale, float *out)
 {
     return -1;
 }

@@ -82,6 +82,9 @@ class NativeKernels:
         library.prefill_bf16_available.restype = ctypes.c_int
         dtypes = {torch.float32, torch.bfloat16} if library.prefill_bf16_available() else {torch.float32}
         self.prefill_dtypes = frozenset(dtypes if head_dim % 16 == 0 else ())
+        self._prefill_i8 = library.paged_prefill_i8
+        self._prefill_i8.argtypes = (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P)
+        self._prefill_i8.restype = ctypes.c_int
         self._rms_norm = library.rms_norm_bf16
         self._rms_norm.argtypes = (_P, _P, _I, _I, ctypes.c_float, _P)
         self._rms_norm.restype = None
@@ -192,6 +195,37 @@ class NativeKernels:
         if status != 0:
             raise MemoryError("paged prefill: out of memory")  # the geometry was checked above
         return out
+
+    def prefill_int8(
+        self,
+        q: torch.Tensor,  # [t, H, D] bf16 or fp32: the chunk's queries, at positions start .. start + t - 1
+        k_slots: torch.Tensor,  # [num_slots, KVH, D] int8, contiguous: the cache
+        v_slots: torch.Tensor,
+        k_scales: torch.Tensor,  # [num_slots, KVH] fp32, contiguous
+        v_scales: torch.Tensor,
+        table: torch.Tensor,  # [blocks] int64: the sequence's blocks
+        block_size: int,
+        start: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """`prefill` over an int8 cache (the fp32 kernel, dequantising as it packs); `[t, H, D]` in q's dtype."""
+        t, heads, head_dim = q.shape
+        kv_heads = k_slots.shape[1]
+        if (head_dim, heads // kv_heads) != (self.head_dim, self.group) or torch.float32 not in self.prefill_dtypes:
+            raise ValueError(f"prefill kernel built for head_dim {self.head_dim}, group {self.group}")
+        if k_slots.dtype != torch.int8 or k_scales.dtype != torch.float32:
+            raise ValueError("int8 paged prefill needs int8 caches and fp32 scales")
+        if not all(x.is_contiguous() for x in (k_slots, v_slots, k_scales, v_scales, table)):
+            raise ValueError("int8 paged prefill needs contiguous caches, scales and block table")
+        q32 = q.float().contiguous()
+        out = torch.empty_like(q32)
+        status = self._prefill_i8(
+            q32.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), k_scales.data_ptr(), v_scales.data_ptr(),
+            table.data_ptr(), block_size, start, t, kv_heads, self.group, head_dim, scale, out.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("int8 paged prefill: out of memory")  # the geometry was checked above
+        return out.to(q.dtype)
 
     def causal_softmax_(self, scores: torch.Tensor, rows: int, first_pos: int, scale: float) -> torch.Tensor:
         """In place on bf16 `scores [heads * rows, seen]` (any leading shape): scale, causal mask from
