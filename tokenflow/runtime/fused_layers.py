@@ -16,13 +16,15 @@ embedding scales, parallel blocks) are not matched and keep running through thei
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, attend
+from tokenflow.runtime.cpu.few_rows_linear import FewRowsLinear, few_rows_linear
 from tokenflow.runtime.cpu.packed_linear import packed_linear
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
 from tokenflow.runtime.gated_mlp import is_gated_silu_mlp
@@ -47,16 +49,16 @@ class _Layer:
     scale: float
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> Linear:
-    """`x @ weight.T + bias`, through oneDNN's packed layout where it applies."""
-    if pack:
-        packed = packed_linear(weight, bias)
-        if packed is not None:
-            return packed
-    return lambda x: F.linear(x, weight, bias)
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, few_rows: bool) -> Linear:
+    """`x @ weight.T + bias`, through oneDNN's packed layout (`pack`) and, for the few rows of a decode step,
+    the few-rows kernel (`few_rows`), where they apply."""
+    linear = packed_linear(weight, bias) if pack else None
+    if linear is None:
+        linear = lambda x: F.linear(x, weight, bias)  # noqa: E731
+    return (few_rows_linear(weight, bias, linear) if few_rows else None) or linear
 
 
-def fused_decoder_for(model: torch.nn.Module, *, pack: bool) -> FusedDecoder | None:
+def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False) -> FusedDecoder | None:
     """A FusedDecoder over `model`'s weights, or None when its layers are not the shape it runs."""
     config = model.config
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
@@ -79,19 +81,19 @@ def fused_decoder_for(model: torch.nn.Module, *, pack: bool) -> FusedDecoder | N
             return None
         if not (is_plain_rms_norm(layer.input_layernorm) and is_plain_rms_norm(layer.post_attention_layernorm)):
             return None
-    return FusedDecoder(model, pack=pack)
+    return FusedDecoder(model, pack=pack, few_rows=few_rows)
 
 
 class FusedDecoder:
     """Runs `model`'s decoder and head on a packed step; see the module doc."""
 
-    def __init__(self, model: torch.nn.Module, *, pack: bool) -> None:
+    def __init__(self, model: torch.nn.Module, *, pack: bool, few_rows: bool = False) -> None:
         base = model.model
         self.model = model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.final_norm = base.norm
-        self.lm_head = _linear(model.lm_head.weight, None, pack)
+        self.lm_head = _linear(model.lm_head.weight, None, pack, few_rows)
         first = base.layers[0].self_attn
         self.num_heads = model.config.num_attention_heads
         self.head_dim = first.head_dim
@@ -108,11 +110,11 @@ class FusedDecoder:
                 gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
                 self.layers.append(_Layer(
                     input_norm=layer.input_layernorm,
-                    qkv=_linear(qkv_w, qkv_b, pack),
-                    o=_linear(attn.o_proj.weight, None, pack),
+                    qkv=_linear(qkv_w, qkv_b, pack, few_rows),
+                    o=_linear(attn.o_proj.weight, None, pack, few_rows),
                     post_norm=layer.post_attention_layernorm,
-                    gate_up=_linear(gate_up_w, None, pack),
-                    down=_linear(mlp.down_proj.weight, None, pack),
+                    gate_up=_linear(gate_up_w, None, pack, few_rows),
+                    down=_linear(mlp.down_proj.weight, None, pack, few_rows),
                     scale=float(attn.scaling),
                 ))
         self.intermediate = base.layers[0].mlp.gate_proj.out_features
@@ -138,6 +140,20 @@ class FusedDecoder:
         for i, layer in enumerate(self.layers):
             out.update({f"layers.{i}.{part}": getattr(layer, part) for part in ("qkv", "o", "gate_up", "down")})
         return out
+
+    @contextlib.contextmanager
+    def without_few_rows_kernel(self) -> Iterator[None]:
+        """Run every linear through its fallback (oneDNN), the arithmetic of the HF modules' own linears: for
+        the runner's self-check, which in bf16 tells a wrong mask from rounding only when the linears match
+        the reference bit for bit (another, equally exact, summation order moves bf16 logits by ~1e-2)."""
+        few = [f for f in self.linears().values() if isinstance(f, FewRowsLinear)]
+        for f in few:
+            f.enabled = False
+        try:
+            yield
+        finally:
+            for f in few:
+                f.enabled = True
 
     def set_linear(self, name: str, linear: Linear) -> None:
         """Run `linear` in place of the linear `name` (see `linears`)."""

@@ -235,7 +235,9 @@ class PagedModelRunner:
         # against bf16 SDPA any other implementation differs by ~1e-2, as much as a real bug).
         self._check_attention = "eager" if self.matmul_attention else self._reference_attention
         # Llama-family models: one flat loop of fused ops instead of the HF modules (tokenflow.runtime.fused_layers)
-        self.fused = fused_decoder_for(model, pack=pack_weights) if fused_layers else None
+        # (few_rows: decode steps' linears through tokenflow.runtime.cpu.few_rows_linear, with the C kernels)
+        self.fused = fused_decoder_for(model, pack=pack_weights, few_rows=pack_weights and native_kernels) \
+            if fused_layers else None
         self.graphs: DecodeGraphs | None = None  # decode-only steps at fixed shapes (set by the backend)
         register()
         try:
@@ -467,11 +469,13 @@ class PagedModelRunner:
         ]
         ours: list[torch.Tensor] = []
         calls: list[int] = []
+        exact = self.fused.without_few_rows_kernel() if self.fused is not None else contextlib.nullcontext()
         try:
-            for chunks in steps:
-                step = self.prepare(chunks, scratch)
-                step.meta.calls = calls
-                ours.append(self._forward(step))
+            with exact:
+                for chunks in steps:
+                    step = self.prepare(chunks, scratch)
+                    step.meta.calls = calls
+                    ours.append(self._forward(step))
         except UnsupportedAttentionFeature as e:
             raise ModelLoadError(f"{type(self.model).__name__}: {e}") from e
         if sorted(set(calls)) != list(range(self.num_layers)) or len(calls) != len(steps) * self.num_layers:

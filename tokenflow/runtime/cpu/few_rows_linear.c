@@ -1,0 +1,183 @@
+/* Linear layers for the few rows of a decode step (bf16 with AVX512-BF16, fp32 with AVX512F), called
+ * through ctypes. Built at first use by tokenflow/runtime/cpu/few_rows_linear.py (cc -O3 -march=native
+ * -fopenmp).
+ *
+ * y = x W^T + b for m rows, m small. A decode step reads every weight once for a handful of rows, so
+ * the product is a stream of the weights: they are packed once so that each output panel of 64
+ * channels is one contiguous run of memory, read front to back while the rows' accumulators stay in
+ * registers (a tile of up to 6 rows x 64 channels: 24 accumulators).
+ *
+ * bf16: W packed [n_pad / 16][k / 2][16][2]. One 64-byte load gives 2 consecutive k of 16 channels,
+ * one vdpbf16ps operand; a row's pair x[k], x[k + 1] is broadcast as one 32-bit value. Products
+ * accumulate in fp32 and are rounded to bf16 once, at the end.
+ * fp32: W packed [n_pad / 16][k][16], one FMA per k and 16 channels.
+ * OpenMP splits the panels between torch's threads.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MR 6  /* rows per register tile */
+#define NV 4  /* 16-channel vectors per register tile */
+#define NR 64 /* output channels per panel: NV * 16 */
+
+int few_rows_bf16_available(void)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int few_rows_f32_available(void)
+{
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__)
+
+/* Rows 0 .. mr of the tile's output for channels n0 .. n0 + 64, from its fp32 accumulators. */
+static inline __attribute__((always_inline)) void store_tile(const int mr, __m512 acc[MR][NV], const float *bias,
+                                                             int64_t n, int64_t n0, void *out, int bf16)
+{
+    for (int h = 0; h < NV; ++h) {
+        const int64_t c = n0 + 16 * h;
+        if (c >= n)
+            break;
+        const __mmask16 mask = n - c >= 16 ? 0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
+        for (int r = 0; r < mr; ++r) {
+            const __m512 v = _mm512_add_ps(acc[r][h], b);
+#if defined(__AVX512BF16__)
+            if (bf16) {
+                _mm256_mask_storeu_epi16((uint16_t *)out + r * n + c, mask, (__m256i)_mm512_cvtneps_pbh(v));
+                continue;
+            }
+#endif
+            _mm512_mask_storeu_ps((float *)out + r * n + c, mask, v);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_f32(const int mr, const float *x, int64_t k, const float *w,
+                                                           const float *bias, int64_t n, int64_t n0, float *out)
+{
+    __m512 acc[MR][NV];
+    for (int r = 0; r < mr; ++r)
+        for (int h = 0; h < NV; ++h)
+            acc[r][h] = _mm512_setzero_ps();
+    const float *panel = w + (n0 / 16) * k * 16;
+    for (int64_t j = 0; j < k; ++j) {
+        __m512 wv[NV];
+        for (int h = 0; h < NV; ++h)
+            wv[h] = _mm512_loadu_ps(panel + (h * k + j) * 16);
+#pragma GCC unroll 6
+        for (int r = 0; r < mr; ++r) {
+            const __m512 xv = _mm512_set1_ps(x[r * k + j]);
+            for (int h = 0; h < NV; ++h)
+                acc[r][h] = _mm512_fmadd_ps(xv, wv[h], acc[r][h]);
+        }
+    }
+    store_tile(mr, acc, bias, n, n0, out, 0);
+}
+
+#define TILES(CALL)                                                                                              \
+    switch (rows) { /* a constant row count per case: the tile's loops unroll into registers */                 \
+    case 6: CALL(6); break;                                                                                      \
+    case 5: CALL(5); break;                                                                                      \
+    case 4: CALL(4); break;                                                                                      \
+    case 3: CALL(3); break;                                                                                      \
+    case 2: CALL(2); break;                                                                                      \
+    default: CALL(1); break;                                                                                     \
+    }
+
+/* out[m, n] = x[m, k] W^T + bias, fp32. */
+int few_rows_linear_f32(const float *x, int64_t m, int64_t k, const float *w, const float *bias, int64_t n,
+                        int64_t n_pad, float *out)
+{
+    if (n_pad % NR || n > n_pad)
+        return 1;
+    const int64_t panels = n_pad / NR, blocks = (m + MR - 1) / MR;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+            const int64_t r0 = blk * MR, n0 = p * NR;
+            const int rows = (int)(m - r0 < MR ? m - r0 : MR);
+#define F32(R) tile_f32(R, x + r0 * k, k, w, bias, n, n0, out + r0 * n)
+            TILES(F32)
+        }
+    }
+    return 0;
+}
+
+#else
+
+int few_rows_linear_f32(const float *x, int64_t m, int64_t k, const float *w, const float *bias, int64_t n,
+                        int64_t n_pad, float *out)
+{
+    return 2;
+}
+
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+
+static inline __attribute__((always_inline)) void tile_bf16(const int mr, const uint16_t *x, int64_t k,
+                                                            const uint16_t *w, const float *bias, int64_t n,
+                                                            int64_t n0, uint16_t *out)
+{
+    __m512 acc[MR][NV];
+    for (int r = 0; r < mr; ++r)
+        for (int h = 0; h < NV; ++h)
+            acc[r][h] = _mm512_setzero_ps();
+    const int64_t k2 = k / 2;
+    const uint16_t *panel = w + (n0 / 16) * k2 * 32;
+    for (int64_t j = 0; j < k2; ++j) {
+        __m512bh wv[NV];
+        for (int h = 0; h < NV; ++h)
+            wv[h] = (__m512bh)_mm512_loadu_si512(panel + (h * k2 + j) * 32);
+#pragma GCC unroll 6
+        for (int r = 0; r < mr; ++r) {
+            int32_t pair;
+            memcpy(&pair, x + r * k + 2 * j, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int h = 0; h < NV; ++h)
+                acc[r][h] = _mm512_dpbf16_ps(acc[r][h], xv, wv[h]);
+        }
+    }
+    store_tile(mr, acc, bias, n, n0, out, 1);
+}
+
+/* out[m, n] = x[m, k] W^T + bias, x and out bf16, k even. */
+int few_rows_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, const float *bias, int64_t n,
+                         int64_t n_pad, uint16_t *out)
+{
+    if (k % 2 || n_pad % NR || n > n_pad)
+        return 1;
+    const int64_t panels = n_pad / NR, blocks = (m + MR - 1) / MR;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+            const int64_t r0 = blk * MR, n0 = p * NR;
+            const int rows = (int)(m - r0 < MR ? m - r0 : MR);
+#define BF16(R) tile_bf16(R, x + r0 * k, k, w, bias, n, n0, out + r0 * n)
+            TILES(BF16)
+        }
+    }
+    return 0;
+}
+
+#else
+
+int few_rows_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, const float *bias, int64_t n,
+                         int64_t n_pad, uint16_t *out)
+{
+    return 2;
+}
+
+#endif

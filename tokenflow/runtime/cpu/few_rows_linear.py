@@ -1,0 +1,123 @@
+"""Linear layers for the few rows of a decode step on CPU (`few_rows_linear.c`), oneDNN for the rest.
+
+Why: a decode step reads every weight once for a handful of rows, so it runs at the speed the
+weights stream from memory. oneDNN's packed product (`packed_linear`) reads them well below that
+for 1–32 rows; a kernel that streams each 64-channel panel front to back with the rows'
+accumulators in registers ran SmolLM2's linears 1.7× faster at one row and ~1.3× at 16 in bf16
+(README, "Where the CPU speed comes from"). Steps with more rows (prefill chunks) are compute-bound,
+where oneDNN's cache-blocked product stays faster, so they keep it.
+
+The cost is a second packed copy of the linear weights, beside oneDNN's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tokenflow.runtime.cpu.native_kernels import FLAGS, load_library
+
+__all__ = ("FEW_ROWS", "FewRowsKernels", "FewRowsLinear", "FewRowsWeight", "few_rows_linear", "load_few_rows_kernels")
+
+SOURCE = Path(__file__).with_name("few_rows_linear.c")
+FEW_ROWS = 32  # up to this many rows the kernel; above, the fallback (oneDNN)
+PANEL = 64  # output channels per packed panel (the C kernel's NR)
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+class FewRowsWeight:
+    """A weight `[n, k]` packed for the kernel: bf16 `[n_pad / 16, k / 2, 16, 2]`, fp32 `[n_pad / 16, k, 16]`."""
+
+    __slots__ = ("bias", "k", "n", "n_pad", "packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        n, k = weight.shape
+        n_pad = -(-n // PANEL) * PANEL
+        padded = torch.zeros(n_pad, k, dtype=weight.dtype)
+        padded[:n] = weight.detach()
+        if weight.dtype == torch.bfloat16:
+            self.packed = padded.view(n_pad // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        else:
+            self.packed = padded.view(n_pad // 16, 16, k).permute(0, 2, 1).contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.n, self.k, self.n_pad = n, k, n_pad
+
+
+class FewRowsKernels:
+    """The loaded `few_rows_linear.c` library and the dtypes this CPU runs it for."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._functions = {}
+        for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+            available = getattr(library, f"few_rows_{name}_available")
+            available.restype = ctypes.c_int
+            if available():
+                function = getattr(library, f"few_rows_linear_{name}")
+                function.argtypes = (_P, _I, _I, _P, _P, _I, _I, _P)
+                function.restype = ctypes.c_int
+                self._functions[dtype] = function
+        self.dtypes = frozenset(self._functions)
+
+    def linear(self, x: torch.Tensor, weight: FewRowsWeight) -> torch.Tensor:
+        """`x [m, k]` (the weight's dtype) times the weight: `[m, n]`."""
+        if x.dtype != weight.packed.dtype or x.dim() != 2 or x.shape[1] != weight.k:
+            raise ValueError(f"few-rows linear wants [m, {weight.k}] {weight.packed.dtype}, got {x.dtype} {tuple(x.shape)}")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty((m, weight.n), dtype=x.dtype)
+        bias = weight.bias.data_ptr() if weight.bias is not None else None
+        status = self._functions[x.dtype](x.data_ptr(), m, weight.k, weight.packed.data_ptr(), bias, weight.n,
+                                          weight.n_pad, out.data_ptr())
+        if status != 0:
+            raise ValueError(f"few_rows_linear refused its arguments (status {status})")
+        return out
+
+
+@functools.cache
+def load_few_rows_kernels() -> FewRowsKernels | None:
+    """The library, or None where it cannot be built or this CPU lacks AVX512."""
+    loaded = load_library(SOURCE, "few_rows_linear", FLAGS, "tokenflow: building few-rows linear kernels")
+    if loaded is None:
+        return None
+    kernels = FewRowsKernels(*loaded)
+    return kernels if kernels.dtypes else None
+
+
+class FewRowsLinear:
+    """A linear layer's forward: the kernel for up to `FEW_ROWS` rows (while `enabled`), `fallback` otherwise."""
+
+    __slots__ = ("enabled", "fallback", "kernels", "weight")
+
+    def __init__(self, weight: FewRowsWeight, kernels: FewRowsKernels, fallback: Linear) -> None:
+        self.weight = weight
+        self.kernels = kernels
+        self.fallback = fallback
+        self.enabled = True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled or x.dim() != 2 or x.shape[0] > FEW_ROWS or x.dtype != self.weight.packed.dtype:
+            return self.fallback(x)
+        return self.kernels.linear(x, self.weight)
+
+
+def few_rows_linear(weight: torch.Tensor, bias: torch.Tensor | None, fallback: Linear) -> FewRowsLinear | None:
+    """`x @ weight.T + bias` through the kernel for up to `FEW_ROWS` rows and `fallback` above; None where
+    the kernel does not apply (not on CPU, a dtype it lacks here, odd `k` in bf16)."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    kernels = load_few_rows_kernels()
+    if kernels is None or weight.dtype not in kernels.dtypes:
+        return None
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
+        return None
+    return FewRowsLinear(FewRowsWeight(weight, bias), kernels, fallback)
