@@ -70,7 +70,8 @@ class FewRowsKernels:
     def linear(self, x: torch.Tensor, weight: FewRowsWeight) -> torch.Tensor:
         """`x [m, k]` (the weight's dtype) times the weight: `[m, n]`."""
         if x.dtype != weight.packed.dtype or x.dim() != 2 or x.shape[1] != weight.k:
-            raise ValueError(f"few-rows linear wants [m, {weight.k}] {weight.packed.dtype}, got {x.dtype} {tuple(x.shape)}")
+            want = f"[m, {weight.k}] {weight.packed.dtype}"
+            raise ValueError(f"few-rows linear wants {want}, got {x.dtype} {tuple(x.shape)}")
         if not x.is_contiguous():
             x = x.contiguous()
         m = x.shape[0]
