@@ -335,3 +335,29 @@ def test_int8_prefill_kernel_equals_the_fp32_one_over_the_dequantised_cache(star
                            block_size, start, head_dim**-0.5)
     assert got.shape == (t, kv_heads * group, head_dim)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_rope_in_place_is_transformers_arithmetic(rows: int) -> None:
+    """RoPE on the Q and K heads of QKV rows (V untouched), bit for bit as apply_rotary_pos_emb in bf16."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    kernels = load_native_kernels(64, 3)
+    assert kernels is not None
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads = 6, 2
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * 64, generator=g).to(BF16)
+    angles = torch.randn(rows, 32, generator=g) * 10
+    cos = torch.cat([angles.cos()] * 2, -1).to(BF16)
+    sin = torch.cat([angles.sin()] * 2, -1).to(BF16)
+    q = qkv[:, : heads * 64].view(rows, heads, 64).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+    k = qkv[:, heads * 64 : (heads + kv_heads) * 64].view(rows, kv_heads, 64).transpose(0, 1).unsqueeze(0)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos.unsqueeze(0), sin.unsqueeze(0))
+    v = qkv[:, (heads + kv_heads) * 64 :].clone()
+    kernels.rope_(qkv, heads + kv_heads, cos, sin)
+    assert torch.equal(qkv[:, : heads * 64].view(rows, heads, 64), want_q[0].transpose(0, 1))
+    assert torch.equal(qkv[:, heads * 64 : (heads + kv_heads) * 64].view(rows, kv_heads, 64), want_k[0].transpose(0, 1))
+    assert torch.equal(qkv[:, (heads + kv_heads) * 64 :], v)
+    with pytest.raises(ValueError):
+        kernels.rope_(qkv, heads + kv_heads, cos[:, :32].contiguous(), sin[:, :32].contiguous())

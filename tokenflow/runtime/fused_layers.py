@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, attend
 from tokenflow.runtime.cpu.few_rows_linear import FewRowsLinear, few_rows_linear
+from tokenflow.runtime.cpu.native_kernels import NativeKernels
 from tokenflow.runtime.cpu.packed_linear import packed_linear
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
 from tokenflow.runtime.gated_mlp import is_gated_silu_mlp
@@ -58,7 +59,8 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, few_row
     return (few_rows_linear(weight, bias, linear) if few_rows else None) or linear
 
 
-def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False) -> FusedDecoder | None:
+def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False,
+                      native: NativeKernels | None = None) -> FusedDecoder | None:
     """A FusedDecoder over `model`'s weights, or None when its layers are not the shape it runs."""
     config = model.config
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
@@ -81,14 +83,16 @@ def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = Fa
             return None
         if not (is_plain_rms_norm(layer.input_layernorm) and is_plain_rms_norm(layer.post_attention_layernorm)):
             return None
-    return FusedDecoder(model, pack=pack, few_rows=few_rows)
+    return FusedDecoder(model, pack=pack, few_rows=few_rows, native=native)
 
 
 class FusedDecoder:
     """Runs `model`'s decoder and head on a packed step; see the module doc."""
 
-    def __init__(self, model: torch.nn.Module, *, pack: bool, few_rows: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, *, pack: bool, few_rows: bool = False,
+                 native: NativeKernels | None = None) -> None:
         base = model.model
+        self.native = native  # bf16: RoPE on Q and K as one C call
         self.model = model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
@@ -168,7 +172,11 @@ class FusedDecoder:
         """Logits `[len(logits_to_keep), vocab]` in the model's dtype for the packed step (`[1, T]` inputs)."""
         h = self.embed(input_ids[0])  # [T, hidden]
         cos, sin = self.rotary(h, position_ids)  # [1, T, D] each, in h's dtype
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]: one row per token, for every head
+        native = self.native if h.dtype == torch.bfloat16 else None
+        if native is not None:
+            cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
+        else:
+            cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]: one row per token, for every head
         t = h.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = heads * d, (heads + kv_heads) * d
@@ -176,12 +184,17 @@ class FusedDecoder:
         inter = self.intermediate
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(layer.input_norm(h))  # [T, (H + 2 KVH) D]
-            qk = qkv[:, :k_end].view(t, heads + kv_heads, d)
-            # RoPE on Q and K in one pass, as transformers' apply_rotary_pos_emb: x cos + rotate_half(x) sin
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin  # [T, H + KVH, D]
+            if native is not None:  # the same roundings as the torch ops below, in one pass, in place
+                native.rope_(qkv, heads + kv_heads, cos, sin)
+                q, k = qkv[:, :q_end].view(t, heads, d), qkv[:, q_end:k_end].view(t, kv_heads, d)
+            else:
+                qk = qkv[:, :k_end].view(t, heads + kv_heads, d)
+                # RoPE on Q and K in one pass, as transformers' apply_rotary_pos_emb: x cos + rotate_half(x) sin
+                rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+                qk = qk * cos + rotated * sin  # [T, H + KVH, D]
+                q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, k_end:].view(t, kv_heads, d)
-            out = attend(index, qk[:, :heads], qk[:, heads:], v, meta, layer.scale)  # [T, H, D]
+            out = attend(index, q, k, v, meta, layer.scale)  # [T, H, D]
             h = h + layer.o(out.reshape(t, q_end))
             gate_up = layer.gate_up(layer.post_norm(h))  # [T, 2 I]
             hidden = F.silu(gate_up[:, :inter])

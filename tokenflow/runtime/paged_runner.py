@@ -236,8 +236,8 @@ class PagedModelRunner:
         self._check_attention = "eager" if self.matmul_attention else self._reference_attention
         # Llama-family models: one flat loop of fused ops instead of the HF modules (tokenflow.runtime.fused_layers)
         # (few_rows: decode steps' linears through tokenflow.runtime.cpu.few_rows_linear, with the C kernels)
-        self.fused = fused_decoder_for(model, pack=pack_weights, few_rows=pack_weights and native_kernels) \
-            if fused_layers else None
+        self.fused = fused_decoder_for(model, pack=pack_weights, few_rows=pack_weights and native_kernels,
+                                       native=self.native) if fused_layers else None
         self.graphs: DecodeGraphs | None = None  # decode-only steps at fixed shapes (set by the backend)
         register()
         try:

@@ -88,6 +88,9 @@ class NativeKernels:
         self._rms_norm = library.rms_norm_bf16
         self._rms_norm.argtypes = (_P, _P, _I, _I, ctypes.c_float, _P)
         self._rms_norm.restype = None
+        self._rope = library.rope_bf16
+        self._rope.argtypes = (_P, _I, _I, _I, _P, _P)
+        self._rope.restype = None
 
     def _geometry(self, q: torch.Tensor) -> tuple[int, int, int, int]:
         """(n, kv_heads, group, head_dim) of decode queries `[n, KVH, G, D]`, checked against the build's."""
@@ -247,6 +250,17 @@ class NativeKernels:
         out = torch.empty_like(x)
         self._rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // width, width, eps, out.data_ptr())
         return out
+
+    def rope_(self, qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """RoPE in place on the first `heads` heads of bf16 `qkv [rows, >= heads * head_dim]` (rows contiguous),
+        with bf16 `cos`, `sin` `[rows, head_dim]`."""
+        rows, width = qkv.shape
+        ok = qkv.dtype == cos.dtype == sin.dtype == torch.bfloat16 and qkv.stride(1) == 1
+        if not ok or heads * self.head_dim > width or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("rope_ needs bf16 rows of at least `heads` heads and contiguous bf16 cos, sin")
+        if cos.shape != (rows, self.head_dim) or sin.shape != cos.shape:
+            raise ValueError(f"rope_: cos, sin of shape {tuple(cos.shape)} for {rows} rows of head_dim {self.head_dim}")
+        self._rope(qkv.data_ptr(), rows, qkv.stride(0), heads, cos.data_ptr(), sin.data_ptr())
 
 
 def _build_key(compiler: str, flags: tuple[str, ...], source: Path = SOURCE) -> str:
