@@ -2,7 +2,7 @@
 
 Why: a decode step reads every weight once for a handful of rows, so it runs at the speed the
 weights stream from memory. oneDNN's packed product (`packed_linear`) reads them well below that
-for 1–32 rows; a kernel that streams each 64-channel panel front to back with the rows'
+for 1–64 rows; a kernel that streams each 64-channel panel front to back with the rows'
 accumulators in registers ran SmolLM2's linears 1.7× faster at one row and ~1.3× at 16 in bf16
 (README, "Where the CPU speed comes from"). Steps with more rows (prefill chunks) are compute-bound,
 where oneDNN's cache-blocked product stays faster, so they keep it.
@@ -24,7 +24,7 @@ from tokenflow.runtime.cpu.native_kernels import FLAGS, load_library
 __all__ = ("FEW_ROWS", "FewRowsKernels", "FewRowsLinear", "FewRowsWeight", "few_rows_linear", "load_few_rows_kernels")
 
 SOURCE = Path(__file__).with_name("few_rows_linear.c")
-FEW_ROWS = 32  # up to this many rows the kernel; above, the fallback (oneDNN)
+FEW_ROWS = 64  # up to this many rows the kernel (1.1–1.3x oneDNN at 32–64 rows); above, the fallback (oneDNN)
 PANEL = 64  # output channels per packed panel (the C kernel's NR)
 
 _P = ctypes.c_void_p
