@@ -85,3 +85,19 @@ def test_bench_quality_measures_every_variant_and_compression(tiny_model, tmp_pa
     for r in data["compression"]:
         assert r["perplexity"] > 1 and r["retrieval_300"]["trials"] == 2
         assert r["retrieval_300"]["compressed"] == (0 if r["ratio"] == 1.0 else 2)
+
+
+def test_step_parts_account_for_each_step(tiny_model) -> None:
+    """`bench-step --parts`: every case and linears kernel, parts that are times within their step."""
+    import torch
+
+    from tokenflow.benchmarks.step_parts import step_parts
+
+    rows = step_parts(str(tiny_model), torch.float32, repeats=2)
+    cases = ["decode, batch 1", "decode, batch 16", "prefill 512 from 0", "prefill 512 after 300"]
+    assert [(r["case"], r["linears_kernel"]) for r in rows] == [(c, k) for c in cases for k in ("few-rows", "oneDNN")]
+    for r in rows:
+        parts = [r[f"{p}_ms"] for p in ("linears", "head", "attention", "norms")]
+        assert all(p > 0 for p in parts), r
+        assert sum(parts) <= r["step_ms"], r  # what remains is the rest, never negative beyond timer noise
+        assert r["rest_ms"] >= 0, r

@@ -7,6 +7,7 @@
   JSON-schema constraint on every row (the masks are filled beside the
   forward pass), and the first request's costs: building the grammar
   library's view of the vocabulary, and compiling the schema.
+* With `--parts`, only where a step's time goes (`step_parts.py`).
 * The scheduler's own time per step with 64 running sequences (no model):
   `schedule()` and `update_from_output()` over the prefix cache, as the step
   loop calls them.
@@ -172,6 +173,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
     p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--parts", action="store_true",
+                   help="only where a step's time goes: linears, head, attention, norms, rest, for decode steps "
+                        "and prefill chunks in bf16 and fp32, few-rows kernel and oneDNN alternating")
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -186,7 +190,28 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     return {"decode": rows, "structured": structured, "grammar": compile_ms, "scheduler": scheduler_us_per_step()}
 
 
+def _run_parts(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from tokenflow.benchmarks.step_parts import step_parts
+    from tokenflow.hub import resolve_model
+
+    model = str(resolve_model(args.model).path)
+    rows = [row for dtype in (torch.bfloat16, torch.float32) for row in step_parts(model, dtype)]
+    keys = ("step_ms", "linears_ms", "head_ms", "attention_ms", "norms_ms", "rest_ms")
+    header = "".join(f"{k.removesuffix('_ms') + ' ms':>13}" for k in keys)
+    print(f"{'dtype':>9} {'case':>22} {'linears by':>10}" + header)
+    for r in rows:
+        print(f"{r['dtype']:>9} {r['case']:>22} {r['linears_kernel']:>10}" + "".join(f"{r[k]:>13}" for k in keys))
+    results = {"parts": rows}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+    return results
+
+
 def run_bench_step(args: argparse.Namespace) -> dict[str, Any]:
+    if args.parts:
+        return _run_parts(args)
     results = anyio.run(_run, args)
     print(f"{'compile':>8}{'batch':>7}{'step ms':>10}{'forward ms':>12}{'steps':>7}")
     for r in results["decode"]:

@@ -1,0 +1,132 @@
+"""`tokenflow bench-step --parts`: where a step's time goes, part by part, on the CPU.
+
+A `PagedModelRunner` on the real model (the engine's fused layers, packed weights and native kernels)
+runs decode steps at batch 1 and 16 over 350 cached tokens and 512-token prefill chunks (from the
+start, and after 300 cached tokens). Each part of the fused loop is timed around its calls: the 30
+layers' linears, the head, attention (with the KV write), the norms, and the rest (embedding, RoPE,
+the SiLU product, residual adds) as what remains of the step. Steps alternate between the few-rows
+kernel and oneDNN for the linears (`FusedDecoder.without_few_rows_kernel`), so both columns come from
+one run; medians over the repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ("step_parts",)
+
+CONTEXT = 350  # cached tokens of each decoding sequence
+
+
+class _PartTimer:
+    """Accumulates seconds per part while installed around a fused decoder's callables."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - started
+
+        return timed
+
+
+def _install(runner: Any, timer: _PartTimer) -> None:
+    """Time the runner's fused loop part by part (attention through the module's `attend`)."""
+    from tokenflow.runtime import fused_layers
+
+    fused = runner.fused
+    for layer in fused.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(layer, name, timer.wrap("linears", getattr(layer, name)))
+        layer.input_norm = timer.wrap("norms", layer.input_norm)
+        layer.post_norm = timer.wrap("norms", layer.post_norm)
+    fused.lm_head = timer.wrap("head", fused.lm_head)
+    fused_layers.attend = timer.wrap("attention", fused_layers.attend)
+
+
+def _uninstall_attention(original: Callable[..., Any]) -> None:
+    from tokenflow.runtime import fused_layers
+
+    fused_layers.attend = original
+
+
+def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[dict[str, Any]]:
+    """Rows of (case, linears kernel, step ms and ms per part) for one dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenflow.kv.block_pool import BlockPool
+    from tokenflow.kv.kv_cache import KVCache
+    from tokenflow.runtime import fused_layers
+    from tokenflow.runtime.cpu.rms_norm import fuse_rms_norms
+    from tokenflow.runtime.gated_mlp import inplace_gated_mlps
+    from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    num_blocks = 16 * (CONTEXT + 32) // 16 + 200
+    cache = KVCache.for_model(model.config, num_blocks=num_blocks, block_size=16, dtype=dtype)
+    runner = PagedModelRunner(model, cache)
+    if runner.fused is None:
+        raise ValueError(f"{model_path}: the parts need the fused layers (a Llama-family model)")
+    fuse_rms_norms(model, runner.native)
+    inplace_gated_mlps(model)
+    pool = BlockPool(num_blocks, 16)
+    vocab = int(model.config.vocab_size) - 10
+
+    def ids(count: int, stride: int, offset: int) -> list[int]:
+        return [(stride * j + offset) % vocab + 5 for j in range(count)]
+
+    tables = [pool.allocate(pool.blocks_needed(CONTEXT + 16)) for _ in range(16)]
+    for i, table in enumerate(tables):  # 16 sequences of CONTEXT cached tokens
+        runner.execute([SeqChunk(ids(CONTEXT, 7, 31 * i), 0, table, False)])
+    prefill_table = pool.allocate(pool.blocks_needed(812))
+    runner.execute([SeqChunk(ids(300, 13, 50), 0, prefill_table, False)])
+    cases = {
+        "decode, batch 1": [SeqChunk([101], CONTEXT, tables[0], True)],
+        "decode, batch 16": [SeqChunk([100 + i], CONTEXT, tables[i], True) for i in range(16)],
+        "prefill 512 from 0": [SeqChunk(ids(512, 11, 70), 0, pool.allocate(pool.blocks_needed(512)), True)],
+        "prefill 512 after 300": [SeqChunk(ids(512, 17, 90), 300, prefill_table, True)],
+    }
+    timer = _PartTimer()
+    original_attend = fused_layers.attend
+    _install(runner, timer)
+    rows = []
+    try:
+        for case, chunks in cases.items():
+            samples: dict[str, list[dict[str, float]]] = {"few-rows": [], "oneDNN": []}
+            for _ in range(2):  # warm both
+                runner.execute(chunks)
+                with runner.fused.without_few_rows_kernel():
+                    runner.execute(chunks)
+            for _ in range(repeats):
+                for kernel in samples:
+                    timer.seconds.clear()
+                    started = time.perf_counter()
+                    if kernel == "few-rows":
+                        runner.execute(chunks)
+                    else:
+                        with runner.fused.without_few_rows_kernel():
+                            runner.execute(chunks)
+                    step = time.perf_counter() - started
+                    parts = {k: v * 1e3 for k, v in timer.seconds.items()}
+                    parts["rest"] = step * 1e3 - sum(parts.values())
+                    parts["step"] = step * 1e3
+                    samples[kernel].append(parts)
+            for kernel, runs in samples.items():
+                row = {"dtype": str(dtype).removeprefix("torch."), "case": case, "linears_kernel": kernel}
+                for key in ("step", "linears", "head", "attention", "norms", "rest"):
+                    row[f"{key}_ms"] = round(statistics.median(r.get(key, 0.0) for r in runs), 2)
+                rows.append(row)
+    finally:
+        _uninstall_attention(original_attend)
+    return rows
