@@ -5,12 +5,13 @@ runs decode steps at batch 1 and 16 over 350 cached tokens and 512-token prefill
 start, and after 300 cached tokens). Each part of the fused loop is timed around its calls: the 30
 layers' linears, the head, attention (with the KV write), the norms, and the rest (embedding, RoPE,
 the SiLU product, residual adds) as what remains of the step. Steps alternate between the few-rows
-kernel and oneDNN for the linears (each `FewRowsLinear` on and off), so both columns come from one
-run; medians over the repeats.
+kernel and oneDNN for the linears (`FusedDecoder.without_few_rows_kernel`), so both columns come from
+one run; medians over the repeats.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import defaultdict
@@ -55,9 +56,9 @@ def _install(runner: Any, timer: _PartTimer) -> None:
     fused_layers.attend = timer.wrap("attention", fused_layers.attend)
 
 
-def _use_few_rows(linears: list[Any], enabled: bool) -> None:
-    for linear in linears:
-        linear.enabled = enabled
+def _linears(runner: Any, kernel: str) -> contextlib.AbstractContextManager[None]:
+    """The step's linears: the few-rows kernel, or oneDNN (`FusedDecoder.without_few_rows_kernel`)."""
+    return contextlib.nullcontext() if kernel == "few-rows" else runner.fused.without_few_rows_kernel()
 
 
 def _uninstall_attention(original: Callable[..., Any]) -> None:
@@ -73,7 +74,6 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
     from tokenflow.kv.block_pool import BlockPool
     from tokenflow.kv.kv_cache import KVCache
     from tokenflow.runtime import fused_layers
-    from tokenflow.runtime.cpu.few_rows_linear import FewRowsLinear
     from tokenflow.runtime.cpu.rms_norm import fuse_rms_norms
     from tokenflow.runtime.gated_mlp import inplace_gated_mlps
     from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
@@ -103,8 +103,6 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
         "prefill 512 from 0": [SeqChunk(ids(512, 11, 70), 0, pool.allocate(pool.blocks_needed(512)), True)],
         "prefill 512 after 300": [SeqChunk(ids(512, 17, 90), 300, prefill_table, True)],
     }
-    # the kernel's linears, taken before the timers wrap them
-    few_rows = [f for f in runner.fused.linears().values() if isinstance(f, FewRowsLinear)]
     timer = _PartTimer()
     original_attend = fused_layers.attend
     _install(runner, timer)
@@ -114,15 +112,15 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
             samples: dict[str, list[dict[str, float]]] = {"few-rows": [], "oneDNN": []}
             for _ in range(2):  # warm both
                 for kernel in samples:
-                    _use_few_rows(few_rows, kernel == "few-rows")
-                    runner.execute(chunks)
+                    with _linears(runner, kernel):
+                        runner.execute(chunks)
             for _ in range(repeats):
                 for kernel in samples:
-                    _use_few_rows(few_rows, kernel == "few-rows")
-                    timer.seconds.clear()
-                    started = time.perf_counter()
-                    runner.execute(chunks)
-                    step = time.perf_counter() - started
+                    with _linears(runner, kernel):
+                        timer.seconds.clear()
+                        started = time.perf_counter()
+                        runner.execute(chunks)
+                        step = time.perf_counter() - started
                     parts = {k: v * 1e3 for k, v in timer.seconds.items()}
                     parts["rest"] = step * 1e3 - sum(parts.values())
                     parts["step"] = step * 1e3
@@ -133,6 +131,5 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
                     row[f"{key}_ms"] = round(statistics.median(r.get(key, 0.0) for r in runs), 2)
                 rows.append(row)
     finally:
-        _use_few_rows(few_rows, True)
         _uninstall_attention(original_attend)
     return rows

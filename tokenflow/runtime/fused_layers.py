@@ -122,6 +122,8 @@ class FusedDecoder:
                     scale=float(attn.scaling),
                 ))
         self.intermediate = base.layers[0].mlp.gate_proj.out_features
+        # the few-rows kernel's linears, kept here: callers may wrap the layers' callables (bench-step --parts)
+        self._few_rows = [f for f in self.linears().values() if isinstance(f, FewRowsLinear)]
 
     def linear_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of every linear the loop runs, by name (`layers.<i>.qkv` / `.o` / `.gate_up` /
@@ -150,13 +152,12 @@ class FusedDecoder:
         """Run every linear through its fallback (oneDNN), the arithmetic of the HF modules' own linears: for
         the runner's self-check, which in bf16 tells a wrong mask from rounding only when the linears match
         the reference bit for bit (another, equally exact, summation order moves bf16 logits by ~1e-2)."""
-        few = [f for f in self.linears().values() if isinstance(f, FewRowsLinear)]
-        for f in few:
+        for f in self._few_rows:
             f.enabled = False
         try:
             yield
         finally:
-            for f in few:
+            for f in self._few_rows:
                 f.enabled = True
 
     def set_linear(self, name: str, linear: Linear) -> None:

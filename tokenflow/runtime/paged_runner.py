@@ -208,8 +208,6 @@ class PagedModelRunner:
         on_cpu = kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float32)
         self.native = load_native_kernels(kv_cache.head_dim, group) if native_kernels and on_cpu else None
         self.native_softmax = self.matmul_attention and self.native is not None
-        # The decode kernels read the cache in place (an int8 one dequantised as it is read).
-        self.native_decode = self.native is not None
         # fp32 and bf16 on CPU: prefill chunks through the native kernel over the cache (every segment gets its
         # table); over an int8 cache its fp32 form, dequantising as it packs the keys.
         self.native_prefill = self.native is not None and (
@@ -400,7 +398,7 @@ class PagedModelRunner:
             if used < max_blocks:
                 flat.extend([0] * (max_blocks - used))  # padding: block 0's (finite) contents get masked
         lengths = mask = None
-        if self.native_decode:  # the kernel reads each context's own length: no padding
+        if self.native is not None:  # the kernel (an int8 cache's too) reads each context's own length: no padding
             lengths = torch.tensor(ctx, dtype=torch.long, device=self.device)
         elif ctx[-1] != kv_len:
             # Boolean (True = attend): as fast as an additive mask here, and one op to build.

@@ -86,47 +86,7 @@ static inline __attribute__((always_inline)) void tile_f32(const int mr, const f
     store_tile(mr, acc, bias, n, n0, out, 0);
 }
 
-#define TILES(CALL)                                                                                              \
-    switch (rows) { /* a constant row count per case: the tile's loops unroll into registers */                 \
-    case 6: CALL(6); break;                                                                                      \
-    case 5: CALL(5); break;                                                                                      \
-    case 4: CALL(4); break;                                                                                      \
-    case 3: CALL(3); break;                                                                                      \
-    case 2: CALL(2); break;                                                                                      \
-    default: CALL(1); break;                                                                                     \
-    }
-
-/* out[m, n] = x[m, k] W^T + bias, fp32. */
-int few_rows_linear_f32(const float *x, int64_t m, int64_t k, const float *w, const float *bias, int64_t n,
-                        int64_t n_pad, float *out)
-{
-    if (n_pad % NR || n > n_pad)
-        return 1;
-    const int64_t panels = n_pad / NR, blocks = (m + MR - 1) / MR;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-        for (int64_t blk = 0; blk < blocks; ++blk) {
-            const int64_t r0 = blk * MR, n0 = p * NR;
-            const int rows = (int)(m - r0 < MR ? m - r0 : MR);
-#define F32(R) tile_f32(R, x + r0 * k, k, w, bias, n, n0, out + r0 * n)
-            TILES(F32)
-        }
-    }
-    return 0;
-}
-
-#else
-
-int few_rows_linear_f32(const float *x, int64_t m, int64_t k, const float *w, const float *bias, int64_t n,
-                        int64_t n_pad, float *out)
-{
-    return 2;
-}
-
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-
+#if defined(__AVX512BF16__)
 static inline __attribute__((always_inline)) void tile_bf16(const int mr, const uint16_t *x, int64_t k,
                                                             const uint16_t *w, const float *bias, int64_t n,
                                                             int64_t n0, uint16_t *out)
@@ -153,11 +113,26 @@ static inline __attribute__((always_inline)) void tile_bf16(const int mr, const 
     store_tile(mr, acc, bias, n, n0, out, 1);
 }
 
-/* out[m, n] = x[m, k] W^T + bias, x and out bf16, k even. */
-int few_rows_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, const float *bias, int64_t n,
-                         int64_t n_pad, uint16_t *out)
+#endif
+
+#define TILES(CALL)                                                                                              \
+    switch (rows) { /* a constant row count per case: the tile's loops unroll into registers */                 \
+    case 6: CALL(6); break;                                                                                      \
+    case 5: CALL(5); break;                                                                                      \
+    case 4: CALL(4); break;                                                                                      \
+    case 3: CALL(3); break;                                                                                      \
+    case 2: CALL(2); break;                                                                                      \
+    default: CALL(1); break;                                                                                     \
+    }
+
+/* out[m, n] = x[m, k] W^T + bias: x, W and out bf16 (`bf16`, k even) or fp32. Returns 0; 1 for shapes it
+ * does not take; 2 when this build lacks the dtype (see few_rows_*_available). */
+int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias, int64_t n,
+                    int64_t n_pad, void *out)
 {
-    if (k % 2 || n_pad % NR || n > n_pad)
+    if (!(bf16 ? few_rows_bf16_available() : few_rows_f32_available()))
+        return 2;
+    if ((bf16 && k % 2) || n_pad % NR || n > n_pad)
         return 1;
     const int64_t panels = n_pad / NR, blocks = (m + MR - 1) / MR;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -165,17 +140,24 @@ int few_rows_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t
         for (int64_t blk = 0; blk < blocks; ++blk) {
             const int64_t r0 = blk * MR, n0 = p * NR;
             const int rows = (int)(m - r0 < MR ? m - r0 : MR);
-#define BF16(R) tile_bf16(R, x + r0 * k, k, w, bias, n, n0, out + r0 * n)
-            TILES(BF16)
+#if defined(__AVX512BF16__)
+            if (bf16) {
+#define BF16(R) tile_bf16(R, (const uint16_t *)x + r0 * k, k, w, bias, n, n0, (uint16_t *)out + r0 * n)
+                TILES(BF16)
+                continue;
+            }
+#endif
+#define F32(R) tile_f32(R, (const float *)x + r0 * k, k, w, bias, n, n0, (float *)out + r0 * n)
+            TILES(F32)
         }
     }
     return 0;
 }
 
-#else
+#else /* no AVX512: both few_rows_*_available() say 0 and nothing calls this */
 
-int few_rows_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, const float *bias, int64_t n,
-                         int64_t n_pad, uint16_t *out)
+int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias, int64_t n,
+                    int64_t n_pad, void *out)
 {
     return 2;
 }

@@ -56,29 +56,32 @@ class FewRowsKernels:
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._functions = {}
+        available = {}
         for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
-            available = getattr(library, f"few_rows_{name}_available")
-            available.restype = ctypes.c_int
-            if available():
-                function = getattr(library, f"few_rows_linear_{name}")
-                function.argtypes = (_P, _I, _I, _P, _P, _I, _I, _P)
-                function.restype = ctypes.c_int
-                self._functions[dtype] = function
-        self.dtypes = frozenset(self._functions)
+            check = getattr(library, f"few_rows_{name}_available")
+            check.restype = ctypes.c_int
+            available[dtype] = bool(check())
+        self.dtypes = frozenset(dtype for dtype, ok in available.items() if ok)
+        self._linear = library.few_rows_linear
+        self._linear.argtypes = (_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P)
+        self._linear.restype = ctypes.c_int
 
     def linear(self, x: torch.Tensor, weight: FewRowsWeight) -> torch.Tensor:
         """`x [m, k]` (the weight's dtype) times the weight: `[m, n]`."""
         if x.dtype != weight.packed.dtype or x.dim() != 2 or x.shape[1] != weight.k:
             want = f"[m, {weight.k}] {weight.packed.dtype}"
             raise ValueError(f"few-rows linear wants {want}, got {x.dtype} {tuple(x.shape)}")
+        return self.product(x, weight)
+
+    def product(self, x: torch.Tensor, weight: FewRowsWeight) -> torch.Tensor:
+        """`linear` for an `x` the caller has checked (the layers' hot path)."""
         if not x.is_contiguous():
             x = x.contiguous()
         m = x.shape[0]
         out = torch.empty((m, weight.n), dtype=x.dtype)
         bias = weight.bias.data_ptr() if weight.bias is not None else None
-        status = self._functions[x.dtype](x.data_ptr(), m, weight.k, weight.packed.data_ptr(), bias, weight.n,
-                                          weight.n_pad, out.data_ptr())
+        status = self._linear(x.data_ptr(), x.dtype == torch.bfloat16, m, weight.k, weight.packed.data_ptr(), bias,
+                              weight.n, weight.n_pad, out.data_ptr())
         if status != 0:
             raise ValueError(f"few_rows_linear refused its arguments (status {status})")
         return out
@@ -106,9 +109,11 @@ class FewRowsLinear:
         self.enabled = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled or x.dim() != 2 or x.shape[0] > FEW_ROWS or x.dtype != self.weight.packed.dtype:
+        weight = self.weight
+        if (not self.enabled or x.dim() != 2 or x.shape[0] > FEW_ROWS or x.dtype != weight.packed.dtype
+                or x.shape[1] != weight.k):
             return self.fallback(x)
-        return self.kernels.linear(x, self.weight)
+        return self.kernels.product(x, weight)
 
 
 def few_rows_linear(weight: torch.Tensor, bias: torch.Tensor | None, fallback: Linear) -> FewRowsLinear | None:
