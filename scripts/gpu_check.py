@@ -15,7 +15,11 @@ shows everything that works and everything that does not:
    once; every caller must get its completion (or an EngineError of its own) and no block may leak;
 5. speed: `tokenflow bench`'s closed-loop workload (chat prompts of ~20-600 tokens, 64 new tokens,
    greedy, EOS ignored, prefix cache off) at concurrency 16 and 1: CUDA graphs, eager, and naive
-   transformers `generate`.
+   transformers `generate`;
+6. profile: eager steps under each SDPA backend;
+7. int8: `quantization="int8"` on CUDA (torchao's weight-only int8) against bf16 and fp32: weight
+   bytes, perplexity of a held-out text, greedy agreement (`tokenflow bench-quality`'s measures), and
+   the speed workload at concurrency 16 and 1, bf16 and int8 one after the other.
 
     python scripts/gpu_check.py [MODEL] [--device cuda] [--json FILE]
 """
@@ -345,6 +349,50 @@ async def check_profile(model: str, device: str) -> None:
                     print(f"profile table by {key}: {exc}", flush=True)
 
 
+# -- 7. int8 weights on CUDA ----------------------------------------------------------------------------
+async def check_int8(model: str, device: str, text: str, requests: int, concurrencies: list[int]) -> None:
+    from transformers import AutoTokenizer
+
+    from tokenflow.benchmarks.quality import _measure, common_prefix
+    from tokenflow.benchmarks.throughput import make_workload
+    from tokenflow.hub import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(model).path)
+    ids = list(tokenizer(Path(text).read_text(), add_special_tokens=False)["input_ids"])[:4096]
+    windows = [ids[i:i + 1024] for i in range(0, len(ids) - 1, 1024)]
+    variants = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
+                "int8": {"dtype": "bfloat16", "quantization": "int8"}}
+    quality = {name: await _measure(model, {"device": device, **settings}, windows, 32)
+               for name, settings in variants.items()}
+    table: dict[str, Any] = {}
+    for name, r in quality.items():
+        prefixes = [common_prefix(a, b) for a, b in zip(r["answers"], quality["fp32"]["answers"])]
+        table[name] = {"perplexity": round(r["perplexity"], 3), "weight_bytes": r["weight_bytes"],
+                       "mean_common_prefix_with_fp32": round(sum(prefixes) / len(prefixes), 2),
+                       "identical_answers": prefixes.count(32)}
+        report(f"int8 quality: {name}", f"perplexity {r['perplexity']:.3f} "
+               f"({r['perplexity'] / quality['bf16']['perplexity']:.4f}x bf16) over {r['scored_tokens']} tokens; "
+               f"greedy common prefix with fp32 {table[name]['mean_common_prefix_with_fp32']:.1f}/32, "
+               f"{table[name]['identical_answers']}/{len(prefixes)} identical; "
+               f"weights {r['weight_bytes'] / 2**20:.0f} MiB")
+    prompts = make_workload(tokenizer, requests, 20, 600)
+    speed: dict[str, Any] = {}
+    for concurrency in concurrencies:
+        for name in ("bf16", "int8"):
+            settings = {"quantization": "int8"} if name == "int8" else {}
+            result = await _engine_pass(model, device, prompts, concurrency, **settings)
+            speed[f"{name} c{concurrency}"] = result
+            steps = result["decode_step_ms_by_batch"]
+            step = steps.get(concurrency) or steps.get(str(concurrency)) or {}
+            report(f"int8 speed: {name}, concurrency {concurrency}",
+                   f"{result['req_per_s']:.2f} req/s, {result['out_tok_per_s']:.0f} tok/s, "
+                   f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms; decode step at batch {concurrency}: "
+                   f"{step.get('step', float('nan')):.2f} ms; {result['fixed_shape_decode_steps']} graph steps")
+        ratio = speed[f"int8 c{concurrency}"]["req_per_s"] / speed[f"bf16 c{concurrency}"]["req_per_s"]
+        report(f"int8 speed ratio, concurrency {concurrency}", f"int8/bf16 {ratio:.2f}x req/s")
+    RESULTS["int8"] = {"quality": table, "speed": speed}
+
+
 async def main(args: argparse.Namespace) -> None:
     device = args.device
     if device.startswith("cuda"):
@@ -362,6 +410,8 @@ async def main(args: argparse.Namespace) -> None:
         "speed": lambda: check_speed(args.model, device, args.requests, args.speed_variants.split(","),
                                      [int(c) for c in args.concurrency.split(",")], not args.no_naive),
         "profile": lambda: check_profile(args.model, device),
+        "int8": lambda: check_int8(args.model, device, args.text, args.requests,
+                                   [int(c) for c in args.concurrency.split(",")]),
     }
     for name in args.checks.split(","):
         await attempt(name, checks[name])
@@ -377,9 +427,10 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--checks", default="load,oracle_tiny,oracle_bf16,oracle_fp32,oracle_bf16_eager,"
-                                            "out_of_memory,speed,profile")
+                                            "out_of_memory,speed,profile,int8")
     parser.add_argument("--speed-variants", default="graphs,eager,graphs-512", help=f"of {', '.join(SPEED_VARIANTS)}")
     parser.add_argument("--concurrency", default="16,1")
     parser.add_argument("--no-naive", action="store_true", help="skip naive transformers in the speed check")
+    parser.add_argument("--text", default="/usr/share/common-licenses/GPL-3", help="int8: the held-out text")
     parser.add_argument("--json")
     anyio.run(main, parser.parse_args())

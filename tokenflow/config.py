@@ -141,7 +141,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     kv_compression_min_tokens: Positive = 1024
     kv_compression_window: Annotated[int, msgspec.Meta(ge=2)] = 32  # last prompt tokens: they score, and are kept
     kv_cache_dtype: Literal["auto", "int8"] = "auto"  # auto: the model's dtype; int8: per token and KV head scales
-    quantization: Literal["int8"] | None = None  # paged on CPU, Llama-family: int8 weights and activations (VNNI)
+    quantization: Literal["int8"] | None = None  # paged, Llama-family; CPU: int8 weights+activations, CUDA: torchao
     cuda_graphs: bool = True  # paged on CUDA, Llama-family models: decode steps replayed from CUDA graphs
     # paged, greedy requests: n-gram (prompt lookup) draft tokens verified per step (0: off)
     speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0

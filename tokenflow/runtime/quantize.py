@@ -1,11 +1,15 @@
-"""`quantization="int8"`: the fused decoder's linear layers as int8 (`runtime.cpu.int8_linear`).
+"""`quantization="int8"`: the fused decoder's linear layers as int8.
 
-At load, once per model: a calibration pass over `calibration.txt` (chat turns written for this
-purpose: prose, code, lists, JSON, numbers, several languages) through the runner records the largest
-|x| of each input channel of each linear; each weight is then smoothed and quantised, and the
-result is saved under `tokenflow_home()/quantized`, keyed by the model's fingerprint, the text and
-the scheme, so the next start loads it instead. The model's own float weights of the quantised
-layers are released afterwards (the int8 copies are what the steps read).
+On CPU (`runtime.cpu.int8_linear`): int8 weights and per-token int8 activations on VNNI. At load, once
+per model: a calibration pass over `calibration.txt` (chat turns written for this purpose: prose, code,
+lists, JSON, numbers, several languages) through the runner records the largest |x| of each input
+channel of each linear; each weight is then smoothed and quantised, and the result is saved under
+`tokenflow_home()/quantized`, keyed by the model's fingerprint, the text and the scheme, so the next
+start loads it instead. The model's own float weights of the quantised layers are released afterwards
+(the int8 copies are what the steps read).
+
+On CUDA: weight-only int8 through torchao (`Int8WeightOnlyConfig`, symmetric per output channel),
+the activations stay bf16; no calibration, so nothing is cached.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from tokenflow.kv.kv_cache import KVCache
 from tokenflow.runtime.cpu.int8_linear import SMOOTH_ALPHA, Int8Linear, Int8Weight, load_int8_kernels, quantize_weight
 
 if TYPE_CHECKING:
+    from tokenflow.runtime.fused_layers import FusedDecoder
     from tokenflow.runtime.paged_runner import PagedModelRunner
 
-__all__ = ("activation_maxima", "calibration_tokens", "quantize_runner")
+__all__ = ("activation_maxima", "calibration_tokens", "quantize_runner", "quantize_weight_only")
 
 log = logging.getLogger("tokenflow")
 
@@ -98,8 +103,12 @@ def quantize_runner(runner: PagedModelRunner, tokenizer: Any, model_key: bytes, 
     from safetensors.torch import load_file, save_file
 
     fused = runner.fused
-    if fused is None or runner.device.type != "cpu":
-        raise ModelLoadError("quantization='int8' runs Llama-family models (the fused layers) on CPU only")
+    if fused is None:
+        raise ModelLoadError("quantization='int8' runs Llama-family models (the fused layers)")
+    if runner.device.type == "cuda":
+        return quantize_weight_only(fused)
+    if runner.device.type != "cpu":
+        raise ModelLoadError(f"quantization='int8' runs on CPU and CUDA, not {runner.device.type}")
     kernels = load_int8_kernels()
     if kernels is None:
         raise ModelLoadError("quantization='int8' needs a CPU with AVX512-VNNI and a C compiler (see the log)")
@@ -127,6 +136,27 @@ def quantize_runner(runner: PagedModelRunner, tokenizer: Any, model_key: bytes, 
         fused.set_linear(name, Int8Linear(weights[name], kernels))
     _release_float_weights(fused.model)
     return sum(w.nbytes for w in weights.values())
+
+
+def quantize_weight_only(fused: FusedDecoder) -> int:
+    """Swap `fused`'s linears for torchao's weight-only int8 ones (the CUDA form; any device runs it);
+    returns the bytes of the int8 weights and their scales."""
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as exc:
+        raise ModelLoadError("quantization='int8' on CUDA needs torchao: "
+                             "pip install 'tokenflow-engine[cuda-int8]'") from exc
+    total = 0
+    for name, (weight, bias) in fused.linear_weights().items():
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        layer.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+        if bias is not None:
+            layer.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
+        quantize_(layer, Int8WeightOnlyConfig(set_inductor_config=False))
+        fused.set_linear(name, layer)
+        total += layer.weight.qdata.nbytes + layer.weight.scale.nbytes
+    _release_float_weights(fused.model)
+    return total
 
 
 def _release_float_weights(model: torch.nn.Module) -> None:
