@@ -14,7 +14,9 @@
  * Weights are packed as [n_pad / 16][k_pad / 4][16][4]: one 64-byte load gives 4 consecutive k of
  * 16 output channels, exactly one vpdpbusd operand. The product runs in register tiles of up to 8
  * rows x 32 channels (16 accumulators), the weight panel of 32 channels staying in cache while
- * the rows stream past it; OpenMP splits panels and row blocks between torch's threads.
+ * the rows stream past it; up to 4 rows (decode steps, where the weights' stream is the cost), tiles
+ * of 64 channels keep four weight streams in flight. OpenMP splits panels and row blocks between
+ * torch's threads.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -24,6 +26,7 @@
 
 #define MR 8  /* rows per register tile */
 #define NR 32 /* output channels per register tile (two 16-wide vectors) */
+#define WIDE_ROWS 4 /* up to this many rows, tiles of 64 channels (four vectors) */
 
 int int8_available(void)
 {
@@ -86,30 +89,32 @@ static inline void store16(void *out, int bf16, int64_t at, __m512 v, __mmask16 
     }
 }
 
-/* Rows r0 .. r0 + mr of the output for channels n0 .. n0 + 32. */
+/* Rows r0 .. r0 + mr of the output for channels n0 .. n0 + 16 * nv: nv 16-channel panels streamed side by
+ * side (4 for a few rows: more loads in flight; 2 for up to 8 rows: 16 accumulators). */
 static inline __attribute__((always_inline)) void tile(
-    const int mr, const uint8_t *a, int64_t k_pad, const float *a_scale, const int8_t *w, const float *w_scale,
-    const int32_t *w_sum, const float *bias, int64_t n, int64_t n0, void *out, int bf16)
+    const int mr, const int nv, const uint8_t *a, int64_t k_pad, const float *a_scale, const int8_t *w,
+    const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t n0, void *out, int bf16)
 {
-    __m512i acc[MR][2];
+    __m512i acc[MR][4];
     for (int r = 0; r < mr; ++r)
-        acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+        for (int h = 0; h < nv; ++h)
+            acc[r][h] = _mm512_setzero_si512();
     const int64_t k4 = k_pad / 4;
-    const int8_t *b0 = w + (n0 / 16) * k4 * 64;
-    const int8_t *b1 = b0 + k4 * 64;
+    const int8_t *panel = w + (n0 / 16) * k4 * 64;
     for (int64_t kq = 0; kq < k4; ++kq) {
-        __m512i w0 = _mm512_loadu_si512(b0 + kq * 64);
-        __m512i w1 = _mm512_loadu_si512(b1 + kq * 64);
+        __m512i wv[4];
+        for (int h = 0; h < nv; ++h)
+            wv[h] = _mm512_loadu_si512(panel + (h * k4 + kq) * 64);
 #pragma GCC unroll 8
         for (int r = 0; r < mr; ++r) {
             int32_t four;
             memcpy(&four, a + r * k_pad + kq * 4, 4);
             __m512i av = _mm512_set1_epi32(four);
-            acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], av, w0);
-            acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], av, w1);
+            for (int h = 0; h < nv; ++h)
+                acc[r][h] = _mm512_dpbusd_epi32(acc[r][h], av, wv[h]);
         }
     }
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < nv; ++h) {
         int64_t c = n0 + 16 * h;
         if (c >= n)
             break;
@@ -126,7 +131,7 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-#define TILE(R) tile(R, a, k_pad, a_scale, w, w_scale, w_sum, bias, n, n0, o, bf16)
+#define TILE(R, NV) tile(R, NV, a, k_pad, a_scale, w, w_scale, w_sum, bias, n, n0, o, bf16)
 
 /* out[m, n] = x[m, k] W^T + bias, x and out bf16 (`bf16`) or fp32. `scratch` holds m * (k_pad + 4) bytes. */
 int int8_linear(const void *x, int bf16, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
@@ -137,28 +142,42 @@ int int8_linear(const void *x, int bf16, int64_t m, int64_t k, const float *inv_
         return 1;
     uint8_t *codes = scratch;
     float *scales = (float *)(scratch + m * k_pad);
+    if (m == 1) {
+        quantize_row(x, bf16, inv_smooth, k, k_pad, codes, scales);
+    } else {
 #pragma omp parallel for schedule(static) if (m * k > 16384)
-    for (int64_t r = 0; r < m; ++r)
-        quantize_row((const char *)x + r * k * (bf16 ? 2 : 4), bf16, inv_smooth, k, k_pad, codes + r * k_pad,
-                     scales + r);
-    const int64_t panels = n_pad / NR, blocks = (m + MR - 1) / MR;
+        for (int64_t r = 0; r < m; ++r)
+            quantize_row((const char *)x + r * k * (bf16 ? 2 : 4), bf16, inv_smooth, k, k_pad, codes + r * k_pad,
+                         scales + r);
+    }
+    const int wide = m <= WIDE_ROWS && n_pad % (2 * NR) == 0; /* 64-channel tiles */
+    const int64_t width = wide ? 2 * NR : NR, panels = n_pad / width, blocks = (m + MR - 1) / MR;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
         for (int64_t blk = 0; blk < blocks; ++blk) {
-            const int64_t r0 = blk * MR, n0 = p * NR;
+            const int64_t r0 = blk * MR, n0 = p * width;
             const int rows = (int)(m - r0 < MR ? m - r0 : MR);
             const uint8_t *a = codes + r0 * k_pad;
             const float *a_scale = scales + r0;
             void *o = (char *)out + r0 * n * (bf16 ? 2 : 4);
+            if (wide) {
+                switch (rows) {
+                case 4: TILE(4, 4); break;
+                case 3: TILE(3, 4); break;
+                case 2: TILE(2, 4); break;
+                default: TILE(1, 4); break;
+                }
+                continue;
+            }
             switch (rows) { /* a constant row count per case: the tile's loops unroll into registers */
-            case 8: TILE(8); break;
-            case 7: TILE(7); break;
-            case 6: TILE(6); break;
-            case 5: TILE(5); break;
-            case 4: TILE(4); break;
-            case 3: TILE(3); break;
-            case 2: TILE(2); break;
-            default: TILE(1); break;
+            case 8: TILE(8, 2); break;
+            case 7: TILE(7, 2); break;
+            case 6: TILE(6, 2); break;
+            case 5: TILE(5, 2); break;
+            case 4: TILE(4, 2); break;
+            case 3: TILE(3, 2); break;
+            case 2: TILE(2, 2); break;
+            default: TILE(1, 2); break;
             }
         }
     }

@@ -24,13 +24,15 @@ import torch
 
 from tokenflow.runtime.cpu.native_kernels import FLAGS, load_library
 
-__all__ = ("Int8Kernels", "Int8Linear", "Int8Weight", "load_int8_kernels", "quantize_weight", "reference_linear")
+__all__ = ("Int8Kernels", "Int8Linear", "Int8Weight", "load_int8_kernels", "quantize_weight", "reference_linear",
+           "weight_args")
 
 SOURCE = Path(__file__).with_name("int8_kernels.c")
 SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength; 0.5 kept SmolLM2 within ~1.5% of bf16 perplexity
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_ACTIVATIONS = (torch.bfloat16, torch.float32)
 
 
 @dataclass(slots=True)
@@ -125,40 +127,50 @@ class Int8Kernels:
         self._linear.argtypes = (_P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P)
         self._linear.restype = ctypes.c_int
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._scratch_ptr = self._scratch.data_ptr()
 
     def linear(self, x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
         """`x [..., k]` (bf16 or fp32) times the int8 weight: `[..., n]` in x's dtype."""
         if x.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"int8 linear takes bf16 or fp32 activations, got {x.dtype}")
         rows = x.reshape(-1, weight.k)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
+        return self.product(rows.contiguous(), weight.k, weight_args(weight)).view(*x.shape[:-1], weight.n)
+
+    def product(self, rows: torch.Tensor, k: int, args: tuple[int | None, ...]) -> torch.Tensor:
+        """`linear` for contiguous `rows [m, k]` the caller has checked, with `weight_args(weight)` (the
+        layers' hot path: a decode step makes ~120 of these calls)."""
         m = rows.shape[0]
-        need = m * (weight.k_pad + 4)
+        need = m * (args[6] + 4)  # k_pad + 4 bytes a row
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
-        out = torch.empty((m, weight.n), dtype=x.dtype)
-        bias = weight.bias.data_ptr() if weight.bias is not None else None
-        status = self._linear(
-            rows.data_ptr(), int(x.dtype == torch.bfloat16), m, weight.k, weight.inv_smooth.data_ptr(),
-            weight.packed.data_ptr(), weight.scale.data_ptr(), weight.sums.data_ptr(), bias, weight.n,
-            weight.k_pad, weight.n_pad, self._scratch.data_ptr(), out.data_ptr(),
-        )
+            self._scratch_ptr = self._scratch.data_ptr()
+        out = torch.empty((m, args[5]), dtype=rows.dtype)  # n
+        status = self._linear(rows.data_ptr(), rows.dtype == torch.bfloat16, m, k, *args, self._scratch_ptr,
+                              out.data_ptr())
         if status != 0:
             raise ValueError(f"int8_linear refused its arguments (status {status})")
-        return out.view(*x.shape[:-1], weight.n)
+        return out
+
+
+def weight_args(weight: Int8Weight) -> tuple[int | None, ...]:
+    """The kernel's arguments that come from the weight, from `inv_smooth` to `n_pad` (pointers and sizes)."""
+    return (weight.inv_smooth.data_ptr(), weight.packed.data_ptr(), weight.scale.data_ptr(), weight.sums.data_ptr(),
+            weight.bias.data_ptr() if weight.bias is not None else None, weight.n, weight.k_pad, weight.n_pad)
 
 
 class Int8Linear:
     """A linear layer's forward through the kernel (the fused layers call it like their other linears)."""
 
-    __slots__ = ("kernels", "weight")
+    __slots__ = ("args", "kernels", "weight")
 
     def __init__(self, weight: Int8Weight, kernels: Int8Kernels) -> None:
         self.weight = weight
         self.kernels = kernels
+        self.args = weight_args(weight)  # the weight's tensors live as long as this layer
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.is_contiguous() and x.dtype in _ACTIVATIONS and x.shape[1] == self.weight.k:
+            return self.kernels.product(x, self.weight.k, self.args)
         return self.kernels.linear(x, self.weight)
 
 
