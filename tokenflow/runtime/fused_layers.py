@@ -198,6 +198,10 @@ class FusedDecoder:
             out = attend(index, q, k, v, meta, layer.scale)  # [T, H, D]
             h = h + layer.o(out.reshape(t, q_end))
             gate_up = layer.gate_up(layer.post_norm(h))  # [T, 2 I]
+            gated_down = getattr(layer.down, "gated", None)  # int8: silu(gate) * up formed in the down call
+            if gated_down is not None:
+                h = h + gated_down(gate_up)
+                continue
             hidden = F.silu(gate_up[:, :inter])
             hidden.mul_(gate_up[:, inter:])
             h = h + layer.down(hidden)

@@ -73,6 +73,38 @@ static void quantize_row(const void *x, int bf16, const float *inv_smooth, int64
     *scale = s;
 }
 
+static inline float round_bf16(float f) /* to the nearest bf16, ties to even (inputs are finite) */
+{
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float bf16_at(const uint16_t *x, int64_t j)
+{
+    const uint32_t bits = (uint32_t)x[j] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* A gated MLP's row from its gate_up projection `[gate | up]`: silu(gate) * up in fp32, with torch's
+ * roundings when `bf16` (silu rounded to bf16, then the product), as F.silu(gate).mul_(up) gives it. */
+static void gated_row(const void *gate_up, int bf16, int64_t inter, float *h)
+{
+#pragma omp simd
+    for (int64_t j = 0; j < inter; ++j) {
+        const float g = bf16 ? bf16_at(gate_up, j) : ((const float *)gate_up)[j];
+        const float u = bf16 ? bf16_at(gate_up, inter + j) : ((const float *)gate_up)[inter + j];
+        float silu = g / (1.f + expf(fminf(-g, 88.f))); /* exp kept finite */
+        if (bf16)
+            silu = round_bf16(silu);
+        h[j] = bf16 ? round_bf16(silu * u) : silu * u;
+    }
+}
+
 static inline void store16(void *out, int bf16, int64_t at, __m512 v, __mmask16 mask)
 {
     if (bf16) {
@@ -133,23 +165,11 @@ static inline __attribute__((always_inline)) void tile(
 
 #define TILE(R, NV) tile(R, NV, a, k_pad, a_scale, w, w_scale, w_sum, bias, n, n0, o, bf16)
 
-/* out[m, n] = x[m, k] W^T + bias, x and out bf16 (`bf16`) or fp32. `scratch` holds m * (k_pad + 4) bytes. */
-int int8_linear(const void *x, int bf16, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
-                const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad,
-                int64_t n_pad, uint8_t *scratch, void *out)
+/* out[m, n] from the rows' u8 codes and scales: the products, rescaled, plus bias. */
+static void product(const uint8_t *codes, const float *scales, int64_t m, const int8_t *w, const float *w_scale,
+                    const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad, int64_t n_pad, void *out,
+                    int bf16)
 {
-    if (k_pad % 4 || n_pad % NR || k > k_pad || n > n_pad)
-        return 1;
-    uint8_t *codes = scratch;
-    float *scales = (float *)(scratch + m * k_pad);
-    if (m == 1) {
-        quantize_row(x, bf16, inv_smooth, k, k_pad, codes, scales);
-    } else {
-#pragma omp parallel for schedule(static) if (m * k > 16384)
-        for (int64_t r = 0; r < m; ++r)
-            quantize_row((const char *)x + r * k * (bf16 ? 2 : 4), bf16, inv_smooth, k, k_pad, codes + r * k_pad,
-                         scales + r);
-    }
     const int wide = m <= WIDE_ROWS && n_pad % (2 * NR) == 0; /* 64-channel tiles */
     const int64_t width = wide ? 2 * NR : NR, panels = n_pad / width, blocks = (m + MR - 1) / MR;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -181,6 +201,47 @@ int int8_linear(const void *x, int bf16, int64_t m, int64_t k, const float *inv_
             }
         }
     }
+}
+
+/* out[m, n] = x[m, k] W^T + bias, x and out bf16 (`bf16`) or fp32. `scratch` holds m * (k_pad + 4) bytes. */
+int int8_linear(const void *x, int bf16, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
+                const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad,
+                int64_t n_pad, uint8_t *scratch, void *out)
+{
+    if (k_pad % 4 || n_pad % NR || k > k_pad || n > n_pad)
+        return 1;
+    uint8_t *codes = scratch;
+    float *scales = (float *)(scratch + m * k_pad);
+    if (m == 1) {
+        quantize_row(x, bf16, inv_smooth, k, k_pad, codes, scales);
+    } else {
+#pragma omp parallel for schedule(static) if (m * k > 16384)
+        for (int64_t r = 0; r < m; ++r)
+            quantize_row((const char *)x + r * k * (bf16 ? 2 : 4), bf16, inv_smooth, k, k_pad, codes + r * k_pad,
+                         scales + r);
+    }
+    product(codes, scales, m, w, w_scale, w_sum, bias, n, k_pad, n_pad, out, bf16);
+    return 0;
+}
+
+/* A gated MLP's down projection from its gate_up rows `[m, 2k]`: out[m, n] = (silu(gate) * up) W^T + bias,
+ * the product formed as the rows are quantised (one call instead of three torch ops and the linear).
+ * `scratch` holds m * (k_pad + 4 + 4 * k) bytes. */
+int int8_gated_linear(const void *gate_up, int bf16, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
+                      const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad,
+                      int64_t n_pad, uint8_t *scratch, void *out)
+{
+    if (k_pad % 4 || n_pad % NR || k > k_pad || n > n_pad)
+        return 1;
+    uint8_t *codes = scratch;
+    float *scales = (float *)(scratch + m * k_pad);
+    float *rows = scales + m;
+#pragma omp parallel for schedule(static) if (m * k > 16384)
+    for (int64_t r = 0; r < m; ++r) {
+        gated_row((const char *)gate_up + r * 2 * k * (bf16 ? 2 : 4), bf16, k, rows + r * k);
+        quantize_row(rows + r * k, 0, inv_smooth, k, k_pad, codes + r * k_pad, scales + r);
+    }
+    product(codes, scales, m, w, w_scale, w_sum, bias, n, k_pad, n_pad, out, bf16);
     return 0;
 }
 
@@ -189,6 +250,13 @@ int int8_linear(const void *x, int bf16, int64_t m, int64_t k, const float *inv_
 int int8_linear(const void *x, int bf16, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
                 const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad,
                 int64_t n_pad, uint8_t *scratch, void *out)
+{
+    return 2;
+}
+
+int int8_gated_linear(const void *gate_up, int bf16, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
+                      const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad,
+                      int64_t n_pad, uint8_t *scratch, void *out)
 {
     return 2;
 }

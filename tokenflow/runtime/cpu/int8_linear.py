@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from tokenflow.runtime.cpu.native_kernels import FLAGS, load_library
 
@@ -123,9 +124,10 @@ class Int8Kernels:
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._linear = library.int8_linear
-        self._linear.argtypes = (_P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P)
-        self._linear.restype = ctypes.c_int
+        self._linear, self._gated = library.int8_linear, library.int8_gated_linear
+        for function in (self._linear, self._gated):
+            function.argtypes = (_P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P)
+            function.restype = ctypes.c_int
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._scratch_ptr = self._scratch.data_ptr()
 
@@ -136,17 +138,18 @@ class Int8Kernels:
         rows = x.reshape(-1, weight.k)
         return self.product(rows.contiguous(), weight.k, weight_args(weight)).view(*x.shape[:-1], weight.n)
 
-    def product(self, rows: torch.Tensor, k: int, args: tuple[int | None, ...]) -> torch.Tensor:
+    def product(self, rows: torch.Tensor, k: int, args: tuple[int | None, ...], gated: bool = False) -> torch.Tensor:
         """`linear` for contiguous `rows [m, k]` the caller has checked, with `weight_args(weight)` (the
-        layers' hot path: a decode step makes ~120 of these calls)."""
+        layers' hot path: a decode step makes ~120 of these calls). `gated`: `rows [m, 2k]` are a gated
+        MLP's `[gate | up]`, and the product is of silu(gate) * up, formed as the rows are quantised."""
         m = rows.shape[0]
-        need = m * (args[6] + 4)  # k_pad + 4 bytes a row
+        need = m * (args[6] + 4 + (4 * k if gated else 0))  # codes (k_pad) and a scale a row; gated: fp32 rows
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
             self._scratch_ptr = self._scratch.data_ptr()
         out = torch.empty((m, args[5]), dtype=rows.dtype)  # n
-        status = self._linear(rows.data_ptr(), rows.dtype == torch.bfloat16, m, k, *args, self._scratch_ptr,
-                              out.data_ptr())
+        status = (self._gated if gated else self._linear)(
+            rows.data_ptr(), rows.dtype == torch.bfloat16, m, k, *args, self._scratch_ptr, out.data_ptr())
         if status != 0:
             raise ValueError(f"int8_linear refused its arguments (status {status})")
         return out
@@ -172,6 +175,15 @@ class Int8Linear:
         if x.dim() == 2 and x.is_contiguous() and x.dtype in _ACTIVATIONS and x.shape[1] == self.weight.k:
             return self.kernels.product(x, self.weight.k, self.args)
         return self.kernels.linear(x, self.weight)
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """A gated MLP's down projection from its gate_up output `[m, 2k]`: `self(F.silu(gate) * up)`, one call."""
+        k = self.weight.k
+        if (gate_up.dim() == 2 and gate_up.is_contiguous() and gate_up.dtype in _ACTIVATIONS
+                and gate_up.shape[1] == 2 * k):
+            return self.kernels.product(gate_up, k, self.args, gated=True)
+        hidden = F.silu(gate_up[..., :k])
+        return self(hidden.mul_(gate_up[..., k:]))
 
 
 @functools.cache
