@@ -33,7 +33,7 @@ def test_kernel_equals_its_reference(m: int, k: int, n: int, dtype: torch.dtype)
 
 @needs_vnni
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("m", "k", "n"), [(1, 1536, 576), (5, 100, 70), (16, 64, 96), (300, 1536, 576)])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1536, 576), (5, 100, 70), (16, 64, 96), (64, 1536, 576), (300, 64, 96)])
 def test_gated_down_projection_equals_silu_product_then_the_linear(m: int, k: int, n: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(m + k + n)
     weight = quantize_weight(torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g),
@@ -44,9 +44,10 @@ def test_gated_down_projection_equals_silu_product_then_the_linear(m: int, k: in
     hidden = torch.nn.functional.silu(gate_up[:, :k]).mul_(gate_up[:, k:])  # the fused layers' torch ops
     got, want = layer.gated(gate_up), layer(hidden)
     assert got.shape == (m, n) and got.dtype == dtype and torch.isfinite(got).all()
-    # the same rows up to the last bit of exp (a bf16 rounding, then an int8 code, may flip here and there);
-    # swapping gate and up, or dropping silu, is off by ~1
-    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-3
+    # the same rows up to the last bit of exp (a bf16 rounding, then an int8 code or an output's last bf16
+    # bit, may flip here and there: 2^-9 of it); swapping gate and up, or dropping silu, is off by ~1
+    error = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert error < (5e-3 if dtype == torch.bfloat16 else 1e-3), error
     strided = torch.cat([gate_up, gate_up], 1)[:, : 2 * k]  # not contiguous: the torch-ops fallback
     torch.testing.assert_close(layer.gated(strided), want)
 

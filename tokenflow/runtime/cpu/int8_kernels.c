@@ -91,17 +91,23 @@ static inline float bf16_at(const uint16_t *x, int64_t j)
 }
 
 /* A gated MLP's row from its gate_up projection `[gate | up]`: silu(gate) * up in fp32, with torch's
- * roundings when `bf16` (silu rounded to bf16, then the product), as F.silu(gate).mul_(up) gives it. */
+ * roundings when `bf16` (silu rounded to bf16, then the product), as F.silu(gate).mul_(up) gives it.
+ * `h` holds 2 * inter floats: the widened gate and up first, the result in its first half. */
 static void gated_row(const void *gate_up, int bf16, int64_t inter, float *h)
 {
+    float *g = h, *u = h + inter;
+    if (bf16) {
+        const uint16_t *x = gate_up;
+#pragma omp simd
+        for (int64_t j = 0; j < 2 * inter; ++j)
+            h[j] = bf16_at(x, j);
+    } else {
+        memcpy(h, gate_up, sizeof(float) * (size_t)(2 * inter));
+    }
 #pragma omp simd
     for (int64_t j = 0; j < inter; ++j) {
-        const float g = bf16 ? bf16_at(gate_up, j) : ((const float *)gate_up)[j];
-        const float u = bf16 ? bf16_at(gate_up, inter + j) : ((const float *)gate_up)[inter + j];
-        float silu = g / (1.f + expf(fminf(-g, 88.f))); /* exp kept finite */
-        if (bf16)
-            silu = round_bf16(silu);
-        h[j] = bf16 ? round_bf16(silu * u) : silu * u;
+        const float silu = g[j] / (1.f + expf(fminf(-g[j], 88.f))); /* exp kept finite */
+        g[j] = bf16 ? round_bf16(round_bf16(silu) * u[j]) : silu * u[j];
     }
 }
 
@@ -226,7 +232,7 @@ int int8_linear(const void *x, int bf16, int64_t m, int64_t k, const float *inv_
 
 /* A gated MLP's down projection from its gate_up rows `[m, 2k]`: out[m, n] = (silu(gate) * up) W^T + bias,
  * the product formed as the rows are quantised (one call instead of three torch ops and the linear).
- * `scratch` holds m * (k_pad + 4 + 4 * k) bytes. */
+ * `scratch` holds m * (k_pad + 4 + 8 * k) bytes. */
 int int8_gated_linear(const void *gate_up, int bf16, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
                       const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad,
                       int64_t n_pad, uint8_t *scratch, void *out)
@@ -238,8 +244,8 @@ int int8_gated_linear(const void *gate_up, int bf16, int64_t m, int64_t k, const
     float *rows = scales + m;
 #pragma omp parallel for schedule(static) if (m * k > 16384)
     for (int64_t r = 0; r < m; ++r) {
-        gated_row((const char *)gate_up + r * 2 * k * (bf16 ? 2 : 4), bf16, k, rows + r * k);
-        quantize_row(rows + r * k, 0, inv_smooth, k, k_pad, codes + r * k_pad, scales + r);
+        gated_row((const char *)gate_up + r * 2 * k * (bf16 ? 2 : 4), bf16, k, rows + r * 2 * k);
+        quantize_row(rows + r * 2 * k, 0, inv_smooth, k, k_pad, codes + r * k_pad, scales + r);
     }
     product(codes, scales, m, w, w_scale, w_sum, bias, n, k_pad, n_pad, out, bf16);
     return 0;

@@ -34,6 +34,9 @@ SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength; 0.5 kept SmolLM2 within 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _ACTIVATIONS = (torch.bfloat16, torch.float32)
+# Up to this many rows the gated call saves torch's per-op costs; above, torch's silu (its own vectorised
+# exp) is faster than the kernel's (libmvec's), so prefill chunks take the torch ops.
+GATED_ROWS = 64
 
 
 @dataclass(slots=True)
@@ -143,7 +146,7 @@ class Int8Kernels:
         layers' hot path: a decode step makes ~120 of these calls). `gated`: `rows [m, 2k]` are a gated
         MLP's `[gate | up]`, and the product is of silu(gate) * up, formed as the rows are quantised."""
         m = rows.shape[0]
-        need = m * (args[6] + 4 + (4 * k if gated else 0))  # codes (k_pad) and a scale a row; gated: fp32 rows
+        need = m * (args[6] + 4 + (8 * k if gated else 0))  # codes (k_pad) and a scale a row; gated: 2k floats
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
             self._scratch_ptr = self._scratch.data_ptr()
@@ -179,8 +182,8 @@ class Int8Linear:
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """A gated MLP's down projection from its gate_up output `[m, 2k]`: `self(F.silu(gate) * up)`, one call."""
         k = self.weight.k
-        if (gate_up.dim() == 2 and gate_up.is_contiguous() and gate_up.dtype in _ACTIVATIONS
-                and gate_up.shape[1] == 2 * k):
+        if (gate_up.dim() == 2 and gate_up.shape[0] <= GATED_ROWS and gate_up.is_contiguous()
+                and gate_up.dtype in _ACTIVATIONS and gate_up.shape[1] == 2 * k):
             return self.kernels.product(gate_up, k, self.args, gated=True)
         hidden = F.silu(gate_up[..., :k])
         return self(hidden.mul_(gate_up[..., k:]))
