@@ -222,6 +222,15 @@ async def _engine_pass(model: str, device: str, prompts: list[list[int]], concur
     return result
 
 
+def _report_pass(name: str, result: dict[str, Any], concurrency: int) -> None:
+    steps = result["decode_step_ms_by_batch"]
+    step = steps.get(concurrency) or steps.get(str(concurrency)) or {}
+    report(name, f"{result['req_per_s']:.2f} req/s, {result['out_tok_per_s']:.0f} tok/s, "
+                 f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms; decode step at batch {concurrency}: "
+                 f"{step.get('step', float('nan')):.2f} ms (forward {step.get('forward', float('nan')):.2f}); "
+                 f"{result['fixed_shape_decode_steps']} steps at fixed shapes")
+
+
 SPEED_VARIANTS: dict[str, dict[str, Any]] = {
     "graphs": {}, "eager": {"cuda_graphs": False}, "graphs-512": {"max_batch_tokens": 512},
 }
@@ -242,13 +251,7 @@ async def check_speed(model: str, device: str, requests: int, variants: list[str
         for variant in variants:
             result = await _engine_pass(model, device, prompts, concurrency, **SPEED_VARIANTS[variant])
             rows[f"{variant} c{concurrency}"] = result
-            steps = result["decode_step_ms_by_batch"]
-            step = steps.get(concurrency) or steps.get(str(concurrency)) or {}
-            report(f"speed, {variant}, concurrency {concurrency}",
-                   f"{result['req_per_s']:.2f} req/s, {result['out_tok_per_s']:.0f} tok/s, "
-                   f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms; decode step at batch {concurrency}: "
-                   f"{step.get('step', float('nan')):.2f} ms (forward {step.get('forward', float('nan')):.2f}); "
-                   f"{result['fixed_shape_decode_steps']} steps at fixed shapes")
+            _report_pass(f"speed, {variant}, concurrency {concurrency}", result, concurrency)
     RESULTS["speed"] = rows
     if naive:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
@@ -382,12 +385,7 @@ async def check_int8(model: str, device: str, text: str, requests: int, concurre
             settings = {"quantization": "int8"} if name == "int8" else {}
             result = await _engine_pass(model, device, prompts, concurrency, **settings)
             speed[f"{name} c{concurrency}"] = result
-            steps = result["decode_step_ms_by_batch"]
-            step = steps.get(concurrency) or steps.get(str(concurrency)) or {}
-            report(f"int8 speed: {name}, concurrency {concurrency}",
-                   f"{result['req_per_s']:.2f} req/s, {result['out_tok_per_s']:.0f} tok/s, "
-                   f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms; decode step at batch {concurrency}: "
-                   f"{step.get('step', float('nan')):.2f} ms; {result['fixed_shape_decode_steps']} graph steps")
+            _report_pass(f"int8 speed: {name}, concurrency {concurrency}", result, concurrency)
         ratio = speed[f"int8 c{concurrency}"]["req_per_s"] / speed[f"bf16 c{concurrency}"]["req_per_s"]
         report(f"int8 speed ratio, concurrency {concurrency}", f"int8/bf16 {ratio:.2f}x req/s")
     RESULTS["int8"] = {"quality": table, "speed": speed}

@@ -209,8 +209,10 @@ static void product(const uint8_t *codes, const float *scales, int64_t m, const 
     }
 }
 
-/* out[m, n] = x[m, k] W^T + bias, x and out bf16 (`bf16`) or fp32. `scratch` holds m * (k_pad + 4) bytes. */
-int int8_linear(const void *x, int bf16, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
+/* out[m, n] = x[m, k] W^T + bias, x and out bf16 (`bf16`) or fp32. `gated`: x is a gated MLP's gate_up
+ * rows `[m, 2k]`, and the product is of silu(gate) * up, formed as the rows are quantised (one call instead
+ * of three torch ops and the linear). `scratch` holds m * (k_pad + 4) bytes, m * (k_pad + 4 + 8 * k) gated. */
+int int8_linear(const void *x, int bf16, int gated, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
                 const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad,
                 int64_t n_pad, uint8_t *scratch, void *out)
 {
@@ -218,34 +220,17 @@ int int8_linear(const void *x, int bf16, int64_t m, int64_t k, const float *inv_
         return 1;
     uint8_t *codes = scratch;
     float *scales = (float *)(scratch + m * k_pad);
-    if (m == 1) {
-        quantize_row(x, bf16, inv_smooth, k, k_pad, codes, scales);
-    } else {
-#pragma omp parallel for schedule(static) if (m * k > 16384)
-        for (int64_t r = 0; r < m; ++r)
-            quantize_row((const char *)x + r * k * (bf16 ? 2 : 4), bf16, inv_smooth, k, k_pad, codes + r * k_pad,
-                         scales + r);
-    }
-    product(codes, scales, m, w, w_scale, w_sum, bias, n, k_pad, n_pad, out, bf16);
-    return 0;
-}
-
-/* A gated MLP's down projection from its gate_up rows `[m, 2k]`: out[m, n] = (silu(gate) * up) W^T + bias,
- * the product formed as the rows are quantised (one call instead of three torch ops and the linear).
- * `scratch` holds m * (k_pad + 4 + 8 * k) bytes. */
-int int8_gated_linear(const void *gate_up, int bf16, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
-                      const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad,
-                      int64_t n_pad, uint8_t *scratch, void *out)
-{
-    if (k_pad % 4 || n_pad % NR || k > k_pad || n > n_pad)
-        return 1;
-    uint8_t *codes = scratch;
-    float *scales = (float *)(scratch + m * k_pad);
-    float *rows = scales + m;
+    float *rows = scales + m; /* gated: each row's gate and up widened, then its product */
+    const int64_t row_bytes = (gated ? 2 : 1) * k * (bf16 ? 2 : 4);
 #pragma omp parallel for schedule(static) if (m * k > 16384)
     for (int64_t r = 0; r < m; ++r) {
-        gated_row((const char *)gate_up + r * 2 * k * (bf16 ? 2 : 4), bf16, k, rows + r * 2 * k);
-        quantize_row(rows + r * 2 * k, 0, inv_smooth, k, k_pad, codes + r * k_pad, scales + r);
+        const char *row = (const char *)x + r * row_bytes;
+        if (gated) {
+            gated_row(row, bf16, k, rows + r * 2 * k);
+            quantize_row(rows + r * 2 * k, 0, inv_smooth, k, k_pad, codes + r * k_pad, scales + r);
+        } else {
+            quantize_row(row, bf16, inv_smooth, k, k_pad, codes + r * k_pad, scales + r);
+        }
     }
     product(codes, scales, m, w, w_scale, w_sum, bias, n, k_pad, n_pad, out, bf16);
     return 0;
@@ -253,16 +238,9 @@ int int8_gated_linear(const void *gate_up, int bf16, int64_t m, int64_t k, const
 
 #else /* no AVX512-VNNI: int8_available() says 0 and nothing calls this */
 
-int int8_linear(const void *x, int bf16, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
+int int8_linear(const void *x, int bf16, int gated, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
                 const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad,
                 int64_t n_pad, uint8_t *scratch, void *out)
-{
-    return 2;
-}
-
-int int8_gated_linear(const void *gate_up, int bf16, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
-                      const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad,
-                      int64_t n_pad, uint8_t *scratch, void *out)
 {
     return 2;
 }

@@ -127,10 +127,9 @@ class Int8Kernels:
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._linear, self._gated = library.int8_linear, library.int8_gated_linear
-        for function in (self._linear, self._gated):
-            function.argtypes = (_P, ctypes.c_int, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P)
-            function.restype = ctypes.c_int
+        self._linear = library.int8_linear
+        self._linear.argtypes = (_P, ctypes.c_int, ctypes.c_int, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P)
+        self._linear.restype = ctypes.c_int
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._scratch_ptr = self._scratch.data_ptr()
 
@@ -151,8 +150,8 @@ class Int8Kernels:
             self._scratch = torch.empty(need, dtype=torch.uint8)
             self._scratch_ptr = self._scratch.data_ptr()
         out = torch.empty((m, args[5]), dtype=rows.dtype)  # n
-        status = (self._gated if gated else self._linear)(
-            rows.data_ptr(), rows.dtype == torch.bfloat16, m, k, *args, self._scratch_ptr, out.data_ptr())
+        status = self._linear(rows.data_ptr(), rows.dtype == torch.bfloat16, gated, m, k, *args, self._scratch_ptr,
+                              out.data_ptr())
         if status != 0:
             raise ValueError(f"int8_linear refused its arguments (status {status})")
         return out
