@@ -201,9 +201,9 @@ class FusedDecoder:
             gated_down = getattr(layer.down, "gated", None)  # int8: silu(gate) * up formed in the down call
             if gated_down is not None:
                 h = h + gated_down(gate_up)
-                continue
-            hidden = F.silu(gate_up[:, :inter])
-            hidden.mul_(gate_up[:, inter:])
-            h = h + layer.down(hidden)
+            else:
+                hidden = F.silu(gate_up[:, :inter])
+                hidden.mul_(gate_up[:, inter:])
+                h = h + layer.down(hidden)
         kept = h.index_select(0, logits_to_keep)  # norms are row-wise: only the sampled rows
         return self.lm_head(self.final_norm(kept))
