@@ -53,6 +53,28 @@ def test_gated_down_projection_equals_silu_product_then_the_linear(m: int, k: in
 
 
 @needs_vnni
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 576, 960), (7, 100, 70), (300, 576, 96)])
+def test_normed_projection_equals_the_norm_then_the_linear(m: int, k: int, n: int, dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(m + k + n)
+    weight = quantize_weight(torch.randn(n, k, generator=g) * 0.05, None, torch.linspace(0.5, 4.0, k))
+    norm = LlamaRMSNorm(k, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(k, generator=g) * 2)
+    x = (torch.randn(m, k, generator=g) * torch.linspace(0.1, 30.0, k)).to(dtype)
+    layer = Int8Linear(weight, kernels)
+    with torch.no_grad():
+        got, want = layer.normed(x, norm), layer(norm(x))  # transformers' own RMSNorm forward
+    assert got.shape == (m, n) and got.dtype == dtype
+    # the sum of squares in another order (a last bit of the norm, then an int8 code, may flip); a norm
+    # missed or applied twice, or its weight dropped, is off by ~1
+    error = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert error < (5e-3 if dtype == torch.bfloat16 else 1e-3), error
+
+
+@needs_vnni
 def test_int8_product_is_close_to_the_float_one() -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 512, generator=g) * 0.05

@@ -59,6 +59,12 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, few_row
     return (few_rows_linear(weight, bias, linear) if few_rows else None) or linear
 
 
+def _normed_linear(linear: Linear, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`linear(norm(x))`: one call where the linear forms its input's norm itself (int8's `normed`)."""
+    normed = getattr(linear, "normed", None)
+    return normed(x, norm) if normed is not None else linear(norm(x))
+
+
 def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False,
                       native: NativeKernels | None = None) -> FusedDecoder | None:
     """A FusedDecoder over `model`'s weights, or None when its layers are not the shape it runs."""
@@ -184,7 +190,7 @@ class FusedDecoder:
         half = d // 2
         inter = self.intermediate
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(layer.input_norm(h))  # [T, (H + 2 KVH) D]
+            qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
             if native is not None:  # the same roundings as the torch ops below, in one pass, in place
                 native.rope_(qkv, heads + kv_heads, cos, sin)
                 q, k = qkv[:, :q_end].view(t, heads, d), qkv[:, q_end:k_end].view(t, kv_heads, d)
@@ -197,7 +203,7 @@ class FusedDecoder:
             v = qkv[:, k_end:].view(t, kv_heads, d)
             out = attend(index, q, k, v, meta, layer.scale)  # [T, H, D]
             h = h + layer.o(out.reshape(t, q_end))
-            gate_up = layer.gate_up(layer.post_norm(h))  # [T, 2 I]
+            gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
             gated_down = getattr(layer.down, "gated", None)  # int8: silu(gate) * up formed in the down call
             if gated_down is not None:
                 h = h + gated_down(gate_up)
@@ -206,4 +212,4 @@ class FusedDecoder:
                 hidden.mul_(gate_up[:, inter:])
                 h = h + layer.down(hidden)
         kept = h.index_select(0, logits_to_keep)  # norms are row-wise: only the sampled rows
-        return self.lm_head(self.final_norm(kept))
+        return _normed_linear(self.lm_head, self.final_norm, kept)

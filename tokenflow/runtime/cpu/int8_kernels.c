@@ -111,6 +111,35 @@ static void gated_row(const void *gate_up, int bf16, int64_t inter, float *h)
     }
 }
 
+/* An RMSNorm'd row, as the fused layers' norm gives it: x * rsqrt(mean(x^2) + eps), times the norm's
+ * weight, with transformers' bf16 roundings when `bf16` (normalised, then weighted, each rounded). */
+static void normed_row(const void *x, int bf16, const void *norm_weight, float eps, int64_t width, float *h)
+{
+    float squares = 0.f;
+    if (bf16) {
+#pragma omp simd reduction(+ : squares)
+        for (int64_t j = 0; j < width; ++j) {
+            h[j] = bf16_at(x, j);
+            squares += h[j] * h[j];
+        }
+    } else {
+        memcpy(h, x, sizeof(float) * (size_t)width);
+#pragma omp simd reduction(+ : squares)
+        for (int64_t j = 0; j < width; ++j)
+            squares += h[j] * h[j];
+    }
+    const float inv_rms = 1.f / sqrtf(squares / (float)width + eps);
+    if (bf16) {
+#pragma omp simd
+        for (int64_t j = 0; j < width; ++j)
+            h[j] = round_bf16(bf16_at(norm_weight, j) * round_bf16(h[j] * inv_rms));
+    } else {
+#pragma omp simd
+        for (int64_t j = 0; j < width; ++j)
+            h[j] = ((const float *)norm_weight)[j] * (h[j] * inv_rms);
+    }
+}
+
 static inline void store16(void *out, int bf16, int64_t at, __m512 v, __mmask16 mask)
 {
     if (bf16) {
@@ -209,28 +238,37 @@ static void product(const uint8_t *codes, const float *scales, int64_t m, const 
     }
 }
 
-/* out[m, n] = x[m, k] W^T + bias, x and out bf16 (`bf16`) or fp32. `gated`: x is a gated MLP's gate_up
- * rows `[m, 2k]`, and the product is of silu(gate) * up, formed as the rows are quantised (one call instead
- * of three torch ops and the linear). `scratch` holds m * (k_pad + 4) bytes, m * (k_pad + 4 + 8 * k) gated. */
-int int8_linear(const void *x, int bf16, int gated, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
-                const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad,
-                int64_t n_pad, uint8_t *scratch, void *out)
+enum { PLAIN = 0, GATED = 1, NORMED = 2 };
+
+/* out[m, n] = x[m, k] W^T + bias, x and out bf16 (`bf16`) or fp32. What the rows are (`mode`):
+ *   PLAIN   the layer's input;
+ *   GATED   a gated MLP's gate_up rows `[m, 2k]`: the product is of silu(gate) * up;
+ *   NORMED  the rows before the layer's RMSNorm (`norm_weight` in x's dtype, `eps`): normed here.
+ * GATED and NORMED form the input as the rows are quantised: one call instead of torch ops (or a norm
+ * call) and the linear. `scratch` holds m * (k_pad + 4) bytes, m * (k_pad + 4 + 8 * k) for the others. */
+int int8_linear(const void *x, int bf16, int mode, const void *norm_weight, float eps, int64_t m, int64_t k,
+                const float *inv_smooth, const int8_t *w, const float *w_scale, const int32_t *w_sum, const float *bias,
+                int64_t n, int64_t k_pad, int64_t n_pad, uint8_t *scratch, void *out)
 {
-    if (k_pad % 4 || n_pad % NR || k > k_pad || n > n_pad)
+    if (k_pad % 4 || n_pad % NR || k > k_pad || n > n_pad || mode < PLAIN || mode > NORMED)
         return 1;
     uint8_t *codes = scratch;
     float *scales = (float *)(scratch + m * k_pad);
-    float *rows = scales + m; /* gated: each row's gate and up widened, then its product */
-    const int64_t row_bytes = (gated ? 2 : 1) * k * (bf16 ? 2 : 4);
+    float *rows = scales + m; /* GATED, NORMED: each row's input formed in fp32 (2k floats a row) */
+    const int64_t row_bytes = (mode == GATED ? 2 : 1) * k * (bf16 ? 2 : 4);
 #pragma omp parallel for schedule(static) if (m * k > 16384)
     for (int64_t r = 0; r < m; ++r) {
         const char *row = (const char *)x + r * row_bytes;
-        if (gated) {
-            gated_row(row, bf16, k, rows + r * 2 * k);
-            quantize_row(rows + r * 2 * k, 0, inv_smooth, k, k_pad, codes + r * k_pad, scales + r);
-        } else {
+        float *h = rows + r * 2 * k;
+        if (mode == PLAIN) {
             quantize_row(row, bf16, inv_smooth, k, k_pad, codes + r * k_pad, scales + r);
+            continue;
         }
+        if (mode == GATED)
+            gated_row(row, bf16, k, h);
+        else
+            normed_row(row, bf16, norm_weight, eps, k, h);
+        quantize_row(h, 0, inv_smooth, k, k_pad, codes + r * k_pad, scales + r);
     }
     product(codes, scales, m, w, w_scale, w_sum, bias, n, k_pad, n_pad, out, bf16);
     return 0;
@@ -238,9 +276,9 @@ int int8_linear(const void *x, int bf16, int gated, int64_t m, int64_t k, const 
 
 #else /* no AVX512-VNNI: int8_available() says 0 and nothing calls this */
 
-int int8_linear(const void *x, int bf16, int gated, int64_t m, int64_t k, const float *inv_smooth, const int8_t *w,
-                const float *w_scale, const int32_t *w_sum, const float *bias, int64_t n, int64_t k_pad,
-                int64_t n_pad, uint8_t *scratch, void *out)
+int int8_linear(const void *x, int bf16, int mode, const void *norm_weight, float eps, int64_t m, int64_t k,
+                const float *inv_smooth, const int8_t *w, const float *w_scale, const int32_t *w_sum, const float *bias,
+                int64_t n, int64_t k_pad, int64_t n_pad, uint8_t *scratch, void *out)
 {
     return 2;
 }

@@ -37,6 +37,7 @@ _ACTIVATIONS = (torch.bfloat16, torch.float32)
 # Up to this many rows the gated call saves torch's per-op costs; above, torch's silu (its own vectorised
 # exp) is faster than the kernel's (libmvec's), so prefill chunks take the torch ops.
 GATED_ROWS = 64
+PLAIN, GATED, NORMED = 0, 1, 2  # what the rows given to the kernel are (int8_kernels.c)
 
 
 @dataclass(slots=True)
@@ -128,7 +129,8 @@ class Int8Kernels:
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self._linear = library.int8_linear
-        self._linear.argtypes = (_P, ctypes.c_int, ctypes.c_int, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P)
+        self._linear.argtypes = (_P, ctypes.c_int, ctypes.c_int, _P, ctypes.c_float, _I, _I,
+                                 _P, _P, _P, _P, _P, _I, _I, _I, _P, _P)
         self._linear.restype = ctypes.c_int
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._scratch_ptr = self._scratch.data_ptr()
@@ -140,18 +142,21 @@ class Int8Kernels:
         rows = x.reshape(-1, weight.k)
         return self.product(rows.contiguous(), weight.k, weight_args(weight)).view(*x.shape[:-1], weight.n)
 
-    def product(self, rows: torch.Tensor, k: int, args: tuple[int | None, ...], gated: bool = False) -> torch.Tensor:
-        """`linear` for contiguous `rows [m, k]` the caller has checked, with `weight_args(weight)` (the
-        layers' hot path: a decode step makes ~120 of these calls). `gated`: `rows [m, 2k]` are a gated
-        MLP's `[gate | up]`, and the product is of silu(gate) * up, formed as the rows are quantised."""
+    def product(self, rows: torch.Tensor, k: int, args: tuple[int | None, ...], mode: int = PLAIN,
+                norm: torch.nn.Module | None = None) -> torch.Tensor:
+        """`linear` for contiguous `rows` the caller has checked, with `weight_args(weight)` (the layers' hot
+        path: a decode step makes ~120 of these calls). `mode` says what the rows are: PLAIN `[m, k]`, the
+        layer's input; GATED `[m, 2k]`, a gated MLP's `[gate | up]` (the input is silu(gate) * up); NORMED
+        `[m, k]`, the rows before `norm` (a plain RMSNorm with a weight in the rows' dtype)."""
         m = rows.shape[0]
-        need = m * (args[6] + 4 + (8 * k if gated else 0))  # codes (k_pad) and a scale a row; gated: 2k floats
+        need = m * (args[6] + 4 + (8 * k if mode != PLAIN else 0))  # codes (k_pad) and a scale a row, floats
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
             self._scratch_ptr = self._scratch.data_ptr()
         out = torch.empty((m, args[5]), dtype=rows.dtype)  # n
-        status = self._linear(rows.data_ptr(), rows.dtype == torch.bfloat16, gated, m, k, *args, self._scratch_ptr,
-                              out.data_ptr())
+        norm_weight, eps = (norm.weight.data_ptr(), norm.variance_epsilon) if norm is not None else (None, 0.0)
+        status = self._linear(rows.data_ptr(), rows.dtype == torch.bfloat16, mode, norm_weight, eps, m, k, *args,
+                              self._scratch_ptr, out.data_ptr())
         if status != 0:
             raise ValueError(f"int8_linear refused its arguments (status {status})")
         return out
@@ -183,9 +188,17 @@ class Int8Linear:
         k = self.weight.k
         if (gate_up.dim() == 2 and gate_up.shape[0] <= GATED_ROWS and gate_up.is_contiguous()
                 and gate_up.dtype in _ACTIVATIONS and gate_up.shape[1] == 2 * k):
-            return self.kernels.product(gate_up, k, self.args, gated=True)
+            return self.kernels.product(gate_up, k, self.args, GATED)
         hidden = F.silu(gate_up[..., :k])
         return self(hidden.mul_(gate_up[..., k:]))
+
+    def normed(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+        """`self(norm(x))` for a plain RMSNorm `norm` (the fused layers' kind), the norm formed as the rows
+        are quantised: one call instead of two."""
+        if (x.dim() == 2 and x.is_contiguous() and x.dtype in _ACTIVATIONS and x.shape[1] == self.weight.k
+                and norm.weight.dtype == x.dtype and norm.weight.is_contiguous()):
+            return self.kernels.product(x, self.weight.k, self.args, NORMED, norm)
+        return self(norm(x))
 
 
 @functools.cache
