@@ -65,6 +65,15 @@ def _normed_linear(linear: Linear, norm: torch.nn.Module, x: torch.Tensor) -> to
     return normed(x, norm) if normed is not None else linear(norm(x))
 
 
+def _gated_down(down: Linear, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """`down(silu(gate) * up)`: one call where the linear forms the product itself (int8's `gated`)."""
+    gated = getattr(down, "gated", None)
+    if gated is not None:
+        return gated(gate_up)
+    hidden = F.silu(gate_up[:, :inter])
+    return down(hidden.mul_(gate_up[:, inter:]))
+
+
 def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False,
                       native: NativeKernels | None = None) -> FusedDecoder | None:
     """A FusedDecoder over `model`'s weights, or None when its layers are not the shape it runs."""
@@ -204,12 +213,6 @@ class FusedDecoder:
             out = attend(index, q, k, v, meta, layer.scale)  # [T, H, D]
             h = h + layer.o(out.reshape(t, q_end))
             gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
-            gated_down = getattr(layer.down, "gated", None)  # int8: silu(gate) * up formed in the down call
-            if gated_down is not None:
-                h = h + gated_down(gate_up)
-            else:
-                hidden = F.silu(gate_up[:, :inter])
-                hidden.mul_(gate_up[:, inter:])
-                h = h + layer.down(hidden)
+            h = h + _gated_down(layer.down, gate_up, inter)
         kept = h.index_select(0, logits_to_keep)  # norms are row-wise: only the sampled rows
         return _normed_linear(self.lm_head, self.final_norm, kept)

@@ -19,14 +19,15 @@ import ctypes
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from tokenflow.runtime.cpu.native_kernels import FLAGS, load_library
 
-__all__ = ("Int8Kernels", "Int8Linear", "Int8Weight", "load_int8_kernels", "quantize_weight", "reference_linear",
-           "weight_args")
+__all__ = ("Int8Kernels", "Int8Linear", "Int8Weight", "WeightArgs", "load_int8_kernels", "quantize_weight",
+           "reference_linear", "weight_args")
 
 SOURCE = Path(__file__).with_name("int8_kernels.c")
 SMOOTH_ALPHA = 0.5  # SmoothQuant's migration strength; 0.5 kept SmolLM2 within ~1.5% of bf16 perplexity
@@ -137,23 +138,23 @@ class Int8Kernels:
 
     def linear(self, x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
         """`x [..., k]` (bf16 or fp32) times the int8 weight: `[..., n]` in x's dtype."""
-        if x.dtype not in (torch.bfloat16, torch.float32):
+        if x.dtype not in _ACTIVATIONS:
             raise ValueError(f"int8 linear takes bf16 or fp32 activations, got {x.dtype}")
         rows = x.reshape(-1, weight.k)
         return self.product(rows.contiguous(), weight.k, weight_args(weight)).view(*x.shape[:-1], weight.n)
 
-    def product(self, rows: torch.Tensor, k: int, args: tuple[int | None, ...], mode: int = PLAIN,
+    def product(self, rows: torch.Tensor, k: int, args: WeightArgs, mode: int = PLAIN,
                 norm: torch.nn.Module | None = None) -> torch.Tensor:
         """`linear` for contiguous `rows` the caller has checked, with `weight_args(weight)` (the layers' hot
         path: a decode step makes ~120 of these calls). `mode` says what the rows are: PLAIN `[m, k]`, the
         layer's input; GATED `[m, 2k]`, a gated MLP's `[gate | up]` (the input is silu(gate) * up); NORMED
         `[m, k]`, the rows before `norm` (a plain RMSNorm with a weight in the rows' dtype)."""
         m = rows.shape[0]
-        need = m * (args[6] + 4 + (8 * k if mode != PLAIN else 0))  # codes (k_pad) and a scale a row, floats
+        need = m * (args.k_pad + 4 + (8 * k if mode != PLAIN else 0))  # codes and a scale a row; fp32 rows
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
             self._scratch_ptr = self._scratch.data_ptr()
-        out = torch.empty((m, args[5]), dtype=rows.dtype)  # n
+        out = torch.empty((m, args.n), dtype=rows.dtype)
         norm_weight, eps = (norm.weight.data_ptr(), norm.variance_epsilon) if norm is not None else (None, 0.0)
         status = self._linear(rows.data_ptr(), rows.dtype == torch.bfloat16, mode, norm_weight, eps, m, k, *args,
                               self._scratch_ptr, out.data_ptr())
@@ -162,10 +163,24 @@ class Int8Kernels:
         return out
 
 
-def weight_args(weight: Int8Weight) -> tuple[int | None, ...]:
-    """The kernel's arguments that come from the weight, from `inv_smooth` to `n_pad` (pointers and sizes)."""
-    return (weight.inv_smooth.data_ptr(), weight.packed.data_ptr(), weight.scale.data_ptr(), weight.sums.data_ptr(),
-            weight.bias.data_ptr() if weight.bias is not None else None, weight.n, weight.k_pad, weight.n_pad)
+class WeightArgs(NamedTuple):
+    """The kernel's arguments that come from the weight, in its order from `inv_smooth` to `n_pad`."""
+
+    inv_smooth: int
+    packed: int
+    scale: int
+    sums: int
+    bias: int | None
+    n: int
+    k_pad: int
+    n_pad: int
+
+
+def weight_args(weight: Int8Weight) -> WeightArgs:
+    """The weight's pointers and sizes, for `Int8Kernels.product` (the tensors must outlive their use)."""
+    return WeightArgs(weight.inv_smooth.data_ptr(), weight.packed.data_ptr(), weight.scale.data_ptr(),
+                      weight.sums.data_ptr(), weight.bias.data_ptr() if weight.bias is not None else None,
+                      weight.n, weight.k_pad, weight.n_pad)
 
 
 class Int8Linear:
