@@ -32,27 +32,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if !defined(HEAD_DIM) || !defined(GROUP)
 #error "build with -DHEAD_DIM=<head_dim> -DGROUP=<query heads per KV head>"
 #endif
 
-static inline float bf16_to_float(uint16_t x)
-{
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) /* round to nearest even; inputs are finite */
-{
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float round_to_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 /* Softmax's middle, in place on `n` scores: subtract their max, exponentiate; returns the sum. */
 static inline float exp_minus_max(float *s, int64_t n)

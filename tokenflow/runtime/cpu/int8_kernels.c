@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MR 8  /* rows per register tile */
 #define NR 32 /* output channels per register tile (two 16-wide vectors) */
 #define WIDE_ROWS 4 /* up to this many rows, tiles of 64 channels (four vectors) */
@@ -73,23 +75,6 @@ static void quantize_row(const void *x, int bf16, const float *inv_smooth, int64
     *scale = s;
 }
 
-static inline float round_bf16(float f) /* to the nearest bf16, ties to even (inputs are finite) */
-{
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline float bf16_at(const uint16_t *x, int64_t j)
-{
-    const uint32_t bits = (uint32_t)x[j] << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* A gated MLP's row from its gate_up projection `[gate | up]`: silu(gate) * up in fp32, with torch's
  * roundings when `bf16` (silu rounded to bf16, then the product), as F.silu(gate).mul_(up) gives it.
  * `h` holds 2 * inter floats: the widened gate and up first, the result in its first half. */
@@ -100,14 +85,14 @@ static void gated_row(const void *gate_up, int bf16, int64_t inter, float *h)
         const uint16_t *x = gate_up;
 #pragma omp simd
         for (int64_t j = 0; j < 2 * inter; ++j)
-            h[j] = bf16_at(x, j);
+            h[j] = bf16_to_float(x[j]);
     } else {
         memcpy(h, gate_up, sizeof(float) * (size_t)(2 * inter));
     }
 #pragma omp simd
     for (int64_t j = 0; j < inter; ++j) {
         const float silu = g[j] / (1.f + expf(fminf(-g[j], 88.f))); /* exp kept finite */
-        g[j] = bf16 ? round_bf16(round_bf16(silu) * u[j]) : silu * u[j];
+        g[j] = bf16 ? round_to_bf16(round_to_bf16(silu) * u[j]) : silu * u[j];
     }
 }
 
@@ -119,7 +104,7 @@ static void normed_row(const void *x, int bf16, const void *norm_weight, float e
     if (bf16) {
 #pragma omp simd reduction(+ : squares)
         for (int64_t j = 0; j < width; ++j) {
-            h[j] = bf16_at(x, j);
+            h[j] = bf16_to_float(((const uint16_t *)x)[j]);
             squares += h[j] * h[j];
         }
     } else {
@@ -132,7 +117,7 @@ static void normed_row(const void *x, int bf16, const void *norm_weight, float e
     if (bf16) {
 #pragma omp simd
         for (int64_t j = 0; j < width; ++j)
-            h[j] = round_bf16(bf16_at(norm_weight, j) * round_bf16(h[j] * inv_rms));
+            h[j] = round_to_bf16(bf16_to_float(((const uint16_t *)norm_weight)[j]) * round_to_bf16(h[j] * inv_rms));
     } else {
 #pragma omp simd
         for (int64_t j = 0; j < width; ++j)
