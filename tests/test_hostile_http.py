@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests.servers import ServeProcess, metric_values
+from tokenflow.testing import build_tiny_model
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -28,11 +29,13 @@ GOOD = {"model": "tiny-llama", "prompt": "The quick brown fox", "max_tokens": 10
 
 
 @pytest.fixture(scope="module")
-def served(long_context_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    # an 8k context: an 8,000-token stream outlasts the 8 s deadline even on a machine twice as fast
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    # a 32k context: a 30,000-token stream outlasts the 8 s deadline unless the tiny model streams 3,700
+    # tokens/s (an 8,000-token one finished inside it once its decode steps had got fast enough)
+    model = build_tiny_model(tmp_path_factory.mktemp("models-32k") / "tiny-llama", max_position_embeddings=32768)
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     # timeout: a long stream passes its deadline mid-way; max_num_seqs: a third caller queues
-    with ServeProcess(long_context_model, "--set", "max_num_seqs=2", "--set", "timeout=8", "--set", "num_threads=1",
+    with ServeProcess(model, "--set", "max_num_seqs=2", "--set", "timeout=8", "--set", "num_threads=1",
                       env={"TOKENFLOW_API_KEY": KEY}, log=log) as server:
         yield server
 
@@ -167,7 +170,7 @@ def test_cors_is_off_by_default(served: ServeProcess) -> None:
 
 
 def test_deadline_mid_stream_is_an_error_event_then_done(served: ServeProcess) -> None:
-    body = {**GOOD, "prompt": "a long story", "max_tokens": 8000, "stream": True}
+    body = {**GOOD, "prompt": "a long story", "max_tokens": 30000, "stream": True}
     events: list[str] = []
     with httpx.stream("POST", served.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
         assert response.status_code == 200
