@@ -4,9 +4,10 @@ A `PagedModelRunner` on the real model (the engine's fused layers, packed weight
 runs decode steps at batch 1 and 16 over 350 cached tokens and 512-token prefill chunks (from the
 start, and after 300 cached tokens). Each part of the fused loop is timed around its calls: the 30
 layers' linears, the head, attention (with the KV write), the norms, and the rest (embedding, RoPE,
-the SiLU product, residual adds) as what remains of the step. Steps alternate between the few-rows
-kernel and oneDNN for the linears (`FusedDecoder.without_few_rows_kernel`), so both columns come from
-one run; medians over the repeats.
+the SiLU product, residual adds) as what remains of the step. Steps alternate between the engine's
+linears (the few-rows kernel for decodes, oneDNN with fused post-ops for prefill chunks, whose SiLU
+product and residual adds then count as linears) and plain oneDNN (`FusedDecoder.without_few_rows_kernel`),
+so both columns come from one run; medians over the repeats.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class _PartTimer:
         return timed
 
 
+class _TimedResidual:
+    """A `PackedLinear` whose residual form is timed as a linear."""
+
+    def __init__(self, linear: Any, timer: _PartTimer) -> None:
+        self.add_to = timer.wrap("linears", linear.add_to)
+
+
 def _install(runner: Any, timer: _PartTimer) -> None:
     """Time the runner's fused loop part by part (attention through the module's `attend`)."""
     from tokenflow.runtime import fused_layers
@@ -50,6 +58,10 @@ def _install(runner: Any, timer: _PartTimer) -> None:
     for layer in fused.layers:
         for name in ("qkv", "o", "gate_up", "down"):
             setattr(layer, name, timer.wrap("linears", getattr(layer, name)))
+        if layer.mlp is not None:  # the post-op forms: products with their elementwise work
+            layer.mlp = timer.wrap("linears", layer.mlp)
+        if layer.o_residual is not None:
+            layer.o_residual = _TimedResidual(layer.o_residual, timer)
         layer.input_norm = timer.wrap("norms", layer.input_norm)
         layer.post_norm = timer.wrap("norms", layer.post_norm)
     fused.lm_head = timer.wrap("head", fused.lm_head)
@@ -126,7 +138,8 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
                     parts["step"] = step * 1e3
                     samples[kernel].append(parts)
             for kernel, runs in samples.items():
-                row = {"dtype": str(dtype).removeprefix("torch."), "case": case, "linears_kernel": kernel}
+                label = "post-ops" if kernel == "few-rows" and case.startswith("prefill") else kernel
+                row = {"dtype": str(dtype).removeprefix("torch."), "case": case, "linears_kernel": label}
                 for key in ("step", "linears", "head", "attention", "norms", "rest"):
                     row[f"{key}_ms"] = round(statistics.median(r.get(key, 0.0) for r in runs), 2)
                 rows.append(row)

@@ -24,9 +24,15 @@ import torch
 import torch.nn.functional as F
 
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, attend
-from tokenflow.runtime.cpu.few_rows_linear import FewRowsLinear, few_rows_linear
+from tokenflow.runtime.cpu.few_rows_linear import FEW_ROWS, FewRowsLinear, few_rows_linear
 from tokenflow.runtime.cpu.native_kernels import NativeKernels
-from tokenflow.runtime.cpu.packed_linear import packed_linear
+from tokenflow.runtime.cpu.packed_linear import (
+    PackedGatedMLP,
+    PackedLinear,
+    packed_dtypes,
+    packed_linear,
+    post_ops_available,
+)
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
 from tokenflow.runtime.gated_mlp import is_gated_silu_mlp
 
@@ -48,6 +54,9 @@ class _Layer:
     gate_up: Linear  # [T, hidden] -> [T, 2 I]
     down: Linear
     scale: float
+    # oneDNN's post-op forms (CPU, packed weights): the output projection with the residual add, and the MLP
+    o_residual: PackedLinear | None = None
+    mlp: PackedGatedMLP | None = None
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, few_rows: bool) -> Linear:
@@ -57,6 +66,15 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, few_row
     if linear is None:
         linear = lambda x: F.linear(x, weight, bias)  # noqa: E731
     return (few_rows_linear(weight, bias, linear) if few_rows else None) or linear
+
+
+def _post_op_layer(attn: torch.nn.Module, mlp: torch.nn.Module,
+                   pack: bool) -> tuple[PackedLinear, PackedGatedMLP] | None:
+    """The output projection and MLP of a layer on oneDNN's post-ops, or None where they do not apply."""
+    weight = attn.o_proj.weight
+    if not pack or weight.device.type != "cpu" or weight.dtype not in packed_dtypes() or not post_ops_available():
+        return None
+    return PackedLinear(weight), PackedGatedMLP(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
 
 
 def _normed_linear(linear: Linear, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +92,7 @@ def _gated_down(down: Linear, gate_up: torch.Tensor, inter: int) -> torch.Tensor
     return down(hidden.mul_(gate_up[:, inter:]))
 
 
-def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False,
+def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False, post_ops: bool = False,
                       native: NativeKernels | None = None) -> FusedDecoder | None:
     """A FusedDecoder over `model`'s weights, or None when its layers are not the shape it runs."""
     config = model.config
@@ -98,13 +116,13 @@ def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = Fa
             return None
         if not (is_plain_rms_norm(layer.input_layernorm) and is_plain_rms_norm(layer.post_attention_layernorm)):
             return None
-    return FusedDecoder(model, pack=pack, few_rows=few_rows, native=native)
+    return FusedDecoder(model, pack=pack, few_rows=few_rows, post_ops=post_ops, native=native)
 
 
 class FusedDecoder:
     """Runs `model`'s decoder and head on a packed step; see the module doc."""
 
-    def __init__(self, model: torch.nn.Module, *, pack: bool, few_rows: bool = False,
+    def __init__(self, model: torch.nn.Module, *, pack: bool, few_rows: bool = False, post_ops: bool = False,
                  native: NativeKernels | None = None) -> None:
         base = model.model
         self.native = native  # bf16: RoPE on Q and K as one C call
@@ -127,18 +145,26 @@ class FusedDecoder:
                 if qkv_b is None and any(b is not None for b in biases):
                     raise ValueError("Q, K and V projections must all have biases or none")
                 gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                qkv = _linear(qkv_w, qkv_b, pack, few_rows)
+                fused_ops = _post_op_layer(attn, mlp, pack) if post_ops else None
+                if fused_ops is None:
+                    o, gate_up, down = (_linear(w, None, pack, few_rows)
+                                        for w in (attn.o_proj.weight, gate_up_w, mlp.down_proj.weight))
+                else:  # the few-rows kernel in front of the post-ops' packed weights (no third copy)
+                    o_residual, packed_mlp = fused_ops
+                    o, gate_up, down = ((few_rows and few_rows_linear(w, None, fallback)) or fallback
+                                        for w, fallback in ((attn.o_proj.weight, o_residual),
+                                                            (gate_up_w, packed_mlp.gate_up),
+                                                            (mlp.down_proj.weight, packed_mlp.down)))
                 self.layers.append(_Layer(
-                    input_norm=layer.input_layernorm,
-                    qkv=_linear(qkv_w, qkv_b, pack, few_rows),
-                    o=_linear(attn.o_proj.weight, None, pack, few_rows),
-                    post_norm=layer.post_attention_layernorm,
-                    gate_up=_linear(gate_up_w, None, pack, few_rows),
-                    down=_linear(mlp.down_proj.weight, None, pack, few_rows),
-                    scale=float(attn.scaling),
+                    input_norm=layer.input_layernorm, qkv=qkv, o=o, post_norm=layer.post_attention_layernorm,
+                    gate_up=gate_up, down=down, scale=float(attn.scaling),
+                    o_residual=fused_ops and fused_ops[0], mlp=fused_ops and fused_ops[1],
                 ))
         self.intermediate = base.layers[0].mlp.gate_proj.out_features
         # the few-rows kernel's linears, kept here: callers may wrap the layers' callables (bench-step --parts)
         self._few_rows = [f for f in self.linears().values() if isinstance(f, FewRowsLinear)]
+        self.post_ops_on = True  # steps of more rows than the few-rows kernel takes run the post-op forms
 
     def linear_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of every linear the loop runs, by name (`layers.<i>.qkv` / `.o` / `.gate_up` /
@@ -169,11 +195,13 @@ class FusedDecoder:
         the reference bit for bit (another, equally exact, summation order moves bf16 logits by ~1e-2)."""
         for f in self._few_rows:
             f.enabled = False
+        self.post_ops_on = False
         try:
             yield
         finally:
             for f in self._few_rows:
                 f.enabled = True
+            self.post_ops_on = True
 
     def set_linear(self, name: str, linear: Linear) -> None:
         """Run `linear` in place of the linear `name` (see `linears`)."""
@@ -181,7 +209,12 @@ class FusedDecoder:
             self.lm_head = linear
             return
         _, index, part = name.split(".")
-        setattr(self.layers[int(index)], part, linear)
+        layer = self.layers[int(index)]
+        setattr(layer, part, linear)
+        if part == "o":
+            layer.o_residual = None  # the post-op forms run the weights being replaced
+        else:
+            layer.mlp = None
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                  meta: PagedAttentionMetadata) -> torch.Tensor:
@@ -198,6 +231,9 @@ class FusedDecoder:
         q_end, k_end = heads * d, (heads + kv_heads) * d
         half = d // 2
         inter = self.intermediate
+        # oneDNN's post-op forms for steps of more rows than the few-rows kernel takes (prefill chunks); smaller
+        # steps keep the separate ops, whose bf16 roundings are transformers' own
+        post_ops = self.post_ops_on and t > FEW_ROWS
         for index, layer in enumerate(self.layers):
             qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
             if native is not None:  # the same roundings as the torch ops below, in one pass, in place
@@ -211,7 +247,13 @@ class FusedDecoder:
                 q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, k_end:].view(t, kv_heads, d)
             out = attend(index, q, k, v, meta, layer.scale)  # [T, H, D]
-            h = h + layer.o(out.reshape(t, q_end))
+            if post_ops and layer.o_residual is not None:
+                h = layer.o_residual.add_to(out.reshape(t, q_end), h)
+            else:
+                h = h + layer.o(out.reshape(t, q_end))
+            if post_ops and layer.mlp is not None:
+                h = layer.mlp(layer.post_norm(h), h)
+                continue
             gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
             h = h + _gated_down(layer.down, gate_up, inter)
         kept = h.index_select(0, logits_to_keep)  # norms are row-wise: only the sampled rows

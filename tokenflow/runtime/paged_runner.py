@@ -234,7 +234,10 @@ class PagedModelRunner:
         self._check_attention = "eager" if self.matmul_attention else self._reference_attention
         # Llama-family models: one flat loop of fused ops instead of the HF modules (tokenflow.runtime.fused_layers)
         # (few_rows: decode steps' linears through tokenflow.runtime.cpu.few_rows_linear, with the C kernels)
-        self.fused = fused_decoder_for(model, pack=pack_weights, few_rows=pack_weights and native_kernels,
+        # (post_ops: prefill chunks' MLP and output projection on oneDNN's fused post-ops, which round bf16 once
+        # fewer than transformers' separate ops; torch-ops mode keeps the reference arithmetic)
+        fast = pack_weights and native_kernels
+        self.fused = fused_decoder_for(model, pack=pack_weights, few_rows=fast, post_ops=fast,
                                        native=self.native) if fused_layers else None
         self.graphs: DecodeGraphs | None = None  # decode-only steps at fixed shapes (set by the backend)
         register()
