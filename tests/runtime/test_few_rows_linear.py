@@ -89,3 +89,22 @@ def test_same_results_as_onednn_up_to_summation_order(dtype: torch.dtype) -> Non
         x = torch.randn(m, 1536).to(dtype)
         a, b = linear(x).double(), onednn(x).double()
         assert ((a - b).norm() / b.norm()).item() < (1e-6 if dtype == torch.float32 else 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_add_is_the_separate_add_bit_for_bit(dtype: torch.dtype) -> None:
+    """`add_to(x, residual)` adds as the kernel stores: the product rounded to the dtype, then the add, as
+    `residual + linear(x)`; rows the kernel does not take add after the fallback."""
+    if dtype not in kernels.dtypes:
+        pytest.skip(f"no {dtype} kernel on this CPU")
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(130, 96, generator=gen) * 0.05).to(dtype)
+    b = torch.randn(130, generator=gen).to(dtype)
+    linear = few_rows_linear(w, b, lambda x: F.linear(x, w, b))
+    assert linear is not None
+    for m in (1, 7, FEW_ROWS, FEW_ROWS + 3):
+        x = torch.randn(m, 96, generator=gen).to(dtype)
+        residual = torch.randn(m, 130, generator=gen).to(dtype) * 4
+        got = linear.add_to(x, residual)
+        assert torch.equal(got, residual + linear(x)), m
+        assert got.data_ptr() != residual.data_ptr()

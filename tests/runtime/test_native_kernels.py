@@ -361,3 +361,29 @@ def test_rope_in_place_is_transformers_arithmetic(rows: int) -> None:
     assert torch.equal(qkv[:, (heads + kv_heads) * 64 :], v)
     with pytest.raises(ValueError):
         kernels.rope_(qkv, heads + kv_heads, cos[:, :32].contiguous(), sin[:, :32].contiguous())
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 16, 130])
+def test_silu_product_is_torchs_up_to_exp(dtype: torch.dtype, rows: int) -> None:
+    """silu(gate) * up of gate_up rows, as F.silu(gate).mul_(up): fp32 within float rounding; bf16 with
+    torch's roundings, so only a SiLU on a rounding boundary (another exp) can land one bf16 step away."""
+    import torch.nn.functional as F
+
+    kernels = load_native_kernels(64, 3)
+    assert kernels is not None
+    inter = 1536
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # exp's clamp, and zero
+    want = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+    got = kernels.silu_mul(gate_up)
+    assert got.shape == (rows, inter) and got.dtype == dtype and torch.isfinite(got).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert (got != want).float().mean() < 5e-3
+        torch.testing.assert_close(got, want, rtol=2 ** -6, atol=1e-6)  # one SiLU step, then the rounding
+    with pytest.raises(ValueError):
+        kernels.silu_mul(gate_up[:, 1:])  # odd width, not contiguous

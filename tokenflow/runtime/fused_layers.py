@@ -83,13 +83,23 @@ def _normed_linear(linear: Linear, norm: torch.nn.Module, x: torch.Tensor) -> to
     return normed(x, norm) if normed is not None else linear(norm(x))
 
 
-def _gated_down(down: Linear, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    """`down(silu(gate) * up)`: one call where the linear forms the product itself (int8's `gated`)."""
+def _add_linear(linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`residual + linear(x)`: one call where the few-rows kernel adds as it stores its output."""
+    if isinstance(linear, FewRowsLinear):
+        return linear.add_to(x, residual)
+    return residual + linear(x)
+
+
+def _gated_down(down: Linear, gate_up: torch.Tensor, inter: int, residual: torch.Tensor,
+                native: NativeKernels | None) -> torch.Tensor:
+    """`residual + down(silu(gate) * up)`: one call where the linear forms the product itself (int8's `gated`),
+    else the product in one native pass (or two torch ops) and the down projection with the add."""
     gated = getattr(down, "gated", None)
     if gated is not None:
-        return gated(gate_up)
-    hidden = F.silu(gate_up[:, :inter])
-    return down(hidden.mul_(gate_up[:, inter:]))
+        return residual + gated(gate_up)
+    if native is None:
+        return _add_linear(down, F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]), residual)
+    return _add_linear(down, native.silu_mul(gate_up), residual)
 
 
 def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False, post_ops: bool = False,
@@ -221,7 +231,7 @@ class FusedDecoder:
         """Logits `[len(logits_to_keep), vocab]` in the model's dtype for the packed step (`[1, T]` inputs)."""
         h = self.embed(input_ids[0])  # [T, hidden]
         cos, sin = self.rotary(h, position_ids)  # [1, T, D] each, in h's dtype
-        native = self.native if h.dtype == torch.bfloat16 else None
+        native = self.native if h.dtype == torch.bfloat16 else None  # RoPE: fp32 keeps torch's bits
         if native is not None:
             cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
         else:
@@ -250,11 +260,11 @@ class FusedDecoder:
             if post_ops and layer.o_residual is not None:
                 h = layer.o_residual.add_to(out.reshape(t, q_end), h)
             else:
-                h = h + layer.o(out.reshape(t, q_end))
+                h = _add_linear(layer.o, out.reshape(t, q_end), h)
             if post_ops and layer.mlp is not None:
                 h = layer.mlp(layer.post_norm(h), h)
                 continue
             gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
-            h = h + _gated_down(layer.down, gate_up, inter)
+            h = _gated_down(layer.down, gate_up, inter, h, self.native)
         kept = h.index_select(0, logits_to_keep)  # norms are row-wise: only the sampled rows
         return _normed_linear(self.lm_head, self.final_norm, kept)

@@ -11,6 +11,7 @@
  * one vdpbf16ps operand; a row's pair x[k], x[k + 1] is broadcast as one 32-bit value. Products
  * accumulate in fp32 and are rounded to bf16 once, at the end.
  * fp32: W packed [n_pad / 16][k][16], one FMA per k and 16 channels.
+ * A residual row block may be added as the tile is stored (a layer's `h + o(x)`), saving the separate add.
  * OpenMP splits the panels between torch's threads.
  */
 #include <immintrin.h>
@@ -41,9 +42,15 @@ int few_rows_f32_available(void)
 
 #if defined(__AVX512F__)
 
-/* Rows 0 .. mr of the tile's output for channels n0 .. n0 + 64, from its fp32 accumulators. */
+/* 16 bf16 values as floats (exact). */
+static inline __m512 widen_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
+
+/* Rows 0 .. mr of the tile's output for channels n0 .. n0 + 64, from its fp32 accumulators; with a
+ * `residual` (rows like the output's), the output is residual + product, the product rounded to the
+ * dtype first: the roundings of a separate add. */
 static inline __attribute__((always_inline)) void store_tile(const int mr, __m512 acc[MR][NV], const float *bias,
-                                                             int64_t n, int64_t n0, void *out, int bf16)
+                                                             int64_t n, int64_t n0, const void *residual, void *out,
+                                                             int bf16)
 {
     for (int h = 0; h < NV; ++h) {
         const int64_t c = n0 + 16 * h;
@@ -52,20 +59,29 @@ static inline __attribute__((always_inline)) void store_tile(const int mr, __m51
         const __mmask16 mask = n - c >= 16 ? 0xFFFF : (__mmask16)((1u << (n - c)) - 1);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
         for (int r = 0; r < mr; ++r) {
-            const __m512 v = _mm512_add_ps(acc[r][h], b);
+            __m512 v = _mm512_add_ps(acc[r][h], b);
 #if defined(__AVX512BF16__)
             if (bf16) {
-                _mm256_mask_storeu_epi16((uint16_t *)out + r * n + c, mask, (__m256i)_mm512_cvtneps_pbh(v));
+                __m256i y = (__m256i)_mm512_cvtneps_pbh(v);
+                if (residual) {
+                    const __m256i add = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)residual + r * n + c);
+                    v = _mm512_add_ps(widen_bf16(y), widen_bf16(add));
+                    y = (__m256i)_mm512_cvtneps_pbh(v);
+                }
+                _mm256_mask_storeu_epi16((uint16_t *)out + r * n + c, mask, y);
                 continue;
             }
 #endif
+            if (residual)
+                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, (const float *)residual + r * n + c));
             _mm512_mask_storeu_ps((float *)out + r * n + c, mask, v);
         }
     }
 }
 
 static inline __attribute__((always_inline)) void tile_f32(const int mr, const float *x, int64_t k, const float *w,
-                                                           const float *bias, int64_t n, int64_t n0, float *out)
+                                                           const float *bias, int64_t n, int64_t n0,
+                                                           const float *residual, float *out)
 {
     __m512 acc[MR][NV];
     for (int r = 0; r < mr; ++r)
@@ -83,13 +99,13 @@ static inline __attribute__((always_inline)) void tile_f32(const int mr, const f
                 acc[r][h] = _mm512_fmadd_ps(xv, wv[h], acc[r][h]);
         }
     }
-    store_tile(mr, acc, bias, n, n0, out, 0);
+    store_tile(mr, acc, bias, n, n0, residual, out, 0);
 }
 
 #if defined(__AVX512BF16__)
 static inline __attribute__((always_inline)) void tile_bf16(const int mr, const uint16_t *x, int64_t k,
                                                             const uint16_t *w, const float *bias, int64_t n,
-                                                            int64_t n0, uint16_t *out)
+                                                            int64_t n0, const uint16_t *residual, uint16_t *out)
 {
     __m512 acc[MR][NV];
     for (int r = 0; r < mr; ++r)
@@ -110,7 +126,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const int mr, const 
                 acc[r][h] = _mm512_dpbf16_ps(acc[r][h], xv, wv[h]);
         }
     }
-    store_tile(mr, acc, bias, n, n0, out, 1);
+    store_tile(mr, acc, bias, n, n0, residual, out, 1);
 }
 
 #endif
@@ -125,10 +141,11 @@ static inline __attribute__((always_inline)) void tile_bf16(const int mr, const 
     default: CALL(1); break;                                                                                     \
     }
 
-/* out[m, n] = x[m, k] W^T + bias: x, W and out bf16 (`bf16`, k even) or fp32. Returns 0; 1 for shapes it
- * does not take; 2 when this build lacks the dtype (see few_rows_*_available). */
+/* out[m, n] = x[m, k] W^T + bias (+ residual[m, n], when given): x, W, residual and out bf16 (`bf16`, k even)
+ * or fp32. Returns 0; 1 for shapes it does not take; 2 when this build lacks the dtype (see
+ * few_rows_*_available). */
 int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias, int64_t n,
-                    int64_t n_pad, void *out)
+                    int64_t n_pad, const void *residual, void *out)
 {
     if (!(bf16 ? few_rows_bf16_available() : few_rows_f32_available()))
         return 2;
@@ -142,12 +159,14 @@ int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w
             const int rows = (int)(m - r0 < MR ? m - r0 : MR);
 #if defined(__AVX512BF16__)
             if (bf16) {
-#define BF16(R) tile_bf16(R, (const uint16_t *)x + r0 * k, k, w, bias, n, n0, (uint16_t *)out + r0 * n)
+#define BF16(R) tile_bf16(R, (const uint16_t *)x + r0 * k, k, w, bias, n, n0,                                   \
+                         residual ? (const uint16_t *)residual + r0 * n : NULL, (uint16_t *)out + r0 * n)
                 TILES(BF16)
                 continue;
             }
 #endif
-#define F32(R) tile_f32(R, (const float *)x + r0 * k, k, w, bias, n, n0, (float *)out + r0 * n)
+#define F32(R) tile_f32(R, (const float *)x + r0 * k, k, w, bias, n, n0,                                        \
+                       residual ? (const float *)residual + r0 * n : NULL, (float *)out + r0 * n)
             TILES(F32)
         }
     }
@@ -157,7 +176,7 @@ int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w
 #else /* no AVX512: both few_rows_*_available() say 0 and nothing calls this */
 
 int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias, int64_t n,
-                    int64_t n_pad, void *out)
+                    int64_t n_pad, const void *residual, void *out)
 {
     return 2;
 }

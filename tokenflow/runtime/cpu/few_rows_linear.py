@@ -63,7 +63,7 @@ class FewRowsKernels:
             available[dtype] = bool(check())
         self.dtypes = frozenset(dtype for dtype, ok in available.items() if ok)
         self._linear = library.few_rows_linear
-        self._linear.argtypes = (_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P)
+        self._linear.argtypes = (_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, _P)
         self._linear.restype = ctypes.c_int
 
     def linear(self, x: torch.Tensor, weight: FewRowsWeight) -> torch.Tensor:
@@ -73,15 +73,18 @@ class FewRowsKernels:
             raise ValueError(f"few-rows linear wants {want}, got {x.dtype} {tuple(x.shape)}")
         return self.product(x, weight)
 
-    def product(self, x: torch.Tensor, weight: FewRowsWeight) -> torch.Tensor:
-        """`linear` for an `x` the caller has checked (the layers' hot path)."""
+    def product(self, x: torch.Tensor, weight: FewRowsWeight, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear` for an `x` the caller has checked (the layers' hot path); plus a contiguous `residual
+        [m, n]` of x's dtype when given (each product rounded to the dtype, then added: a separate add's
+        roundings)."""
         if not x.is_contiguous():
             x = x.contiguous()
         m = x.shape[0]
         out = torch.empty((m, weight.n), dtype=x.dtype)
         bias = weight.bias.data_ptr() if weight.bias is not None else None
+        added = residual.data_ptr() if residual is not None else None
         status = self._linear(x.data_ptr(), x.dtype == torch.bfloat16, m, weight.k, weight.packed.data_ptr(), bias,
-                              weight.n, weight.n_pad, out.data_ptr())
+                              weight.n, weight.n_pad, added, out.data_ptr())
         if status != 0:
             raise ValueError(f"few_rows_linear refused its arguments (status {status})")
         return out
@@ -109,11 +112,21 @@ class FewRowsLinear:
         self.enabled = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if (not self.enabled or x.dim() != 2 or x.shape[0] > FEW_ROWS or x.dtype != weight.packed.dtype
-                or x.shape[1] != weight.k):
+        if not self._takes(x):
             return self.fallback(x)
-        return self.kernels.product(x, weight)
+        return self.kernels.product(x, self.weight)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual + self(x)`, the add done as the kernel stores its output (a new tensor)."""
+        if not (self._takes(x) and residual.shape == (x.shape[0], self.weight.n) and residual.dtype == x.dtype
+                and residual.is_contiguous()):
+            return residual + self(x)
+        return self.kernels.product(x, self.weight, residual)
+
+    def _takes(self, x: torch.Tensor) -> bool:
+        weight = self.weight
+        return (self.enabled and x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == weight.packed.dtype
+                and x.shape[1] == weight.k)
 
 
 def few_rows_linear(weight: torch.Tensor, bias: torch.Tensor | None, fallback: Linear) -> FewRowsLinear | None:

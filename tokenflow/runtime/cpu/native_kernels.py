@@ -91,6 +91,9 @@ class NativeKernels:
         self._rope = library.rope_bf16
         self._rope.argtypes = (_P, _I, _I, _I, _P, _P)
         self._rope.restype = None
+        self._silu_mul = library.silu_mul
+        self._silu_mul.argtypes = (_P, ctypes.c_int, _I, _I, _P)
+        self._silu_mul.restype = None
 
     def _geometry(self, q: torch.Tensor) -> tuple[int, int, int, int]:
         """(n, kv_heads, group, head_dim) of decode queries `[n, KVH, G, D]`, checked against the build's."""
@@ -249,6 +252,16 @@ class NativeKernels:
             raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} for rows of {width}")
         out = torch.empty_like(x)
         self._rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // width, width, eps, out.data_ptr())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` of a gated MLP's contiguous bf16 or fp32 `gate_up [rows, 2 * inter]`: `[rows, inter]`."""
+        rows, width = gate_up.shape
+        if gate_up.dtype not in (torch.bfloat16, torch.float32) or not gate_up.is_contiguous() or width % 2:
+            raise ValueError(f"silu_mul needs contiguous bf16 or fp32 rows of even width, got {gate_up.dtype} "
+                             f"{tuple(gate_up.shape)}")
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), gate_up.dtype == torch.bfloat16, rows, width // 2, out.data_ptr())
         return out
 
     def rope_(self, qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
