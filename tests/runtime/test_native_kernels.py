@@ -387,3 +387,27 @@ def test_silu_product_is_torchs_up_to_exp(dtype: torch.dtype, rows: int) -> None
         torch.testing.assert_close(got, want, rtol=2 ** -6, atol=1e-6)  # one SiLU step, then the rounding
     with pytest.raises(ValueError):
         kernels.silu_mul(gate_up[:, 1:])  # odd width, not contiguous
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_kv_write_is_index_copy(dtype: torch.dtype) -> None:
+    """The new K/V rows of a QKV projection (strided views) land in their slots as index_copy_ puts them;
+    layouts it does not take are refused with nothing written."""
+    kernels = load_native_kernels(64, 3)
+    assert kernels is not None
+    heads, kv_heads, rows, num_slots = 9, 3, 20, 64
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * 64, generator=g).to(dtype)
+    k_new = qkv[:, heads * 64:(heads + kv_heads) * 64].view(rows, kv_heads, 64)
+    v_new = qkv[:, (heads + kv_heads) * 64:].view(rows, kv_heads, 64)
+    slots = torch.randperm(num_slots, generator=g)[:rows]
+    k_cache, v_cache = (torch.randn(num_slots, kv_heads, 64, generator=g).to(dtype) for _ in range(2))
+    want_k, want_v = k_cache.clone().index_copy_(0, slots, k_new), v_cache.clone().index_copy_(0, slots, v_new)
+    assert kernels.write_kv(k_cache, v_cache, slots, k_new, v_new)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    before = k_cache.clone()
+    transposed = k_new.transpose(1, 2).contiguous().transpose(1, 2)  # heads not contiguous within a row
+    assert not kernels.write_kv(k_cache, v_cache, slots, transposed, v_new)
+    assert not kernels.write_kv(k_cache, v_cache, slots.int(), k_new, v_new)
+    assert torch.equal(k_cache, before)

@@ -11,7 +11,7 @@ Packed token order (the runner guarantees it): first the decode rows (one query 
 sequence), group after group, then each prefill segment as a contiguous range.
 
 Per layer:
-1. write the step's new K/V into the cache at `slot_mapping` (one `index_copy_` each);
+1. write the step's new K/V into the cache at `slot_mapping` (one `index_copy_` each, or one native call);
 2. decodes, group by group (the runner groups decodes of similar context length): gather the
    group's blocks at once, padded to its longest context, and run ONE SDPA over all of them
    with an additive padding mask; GQA is handled by viewing the `G = H / KVH` query heads of a
@@ -232,7 +232,10 @@ def attend(
     num_heads, head_dim = q_rows.shape[1], q_rows.shape[2]
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
-    cache.write(layer, meta.slot_mapping, k_new, v_new)
+    kernels = meta.native
+    if kernels is None or cache.quantized or not kernels.write_kv(
+            cache.k_slots[layer], cache.v_slots[layer], meta.slot_mapping, k_new, v_new):
+        cache.write(layer, meta.slot_mapping, k_new, v_new)
     if cache.track_key_bounds:
         update_key_bounds(cache, layer, meta.slot_mapping, k_new)
     if meta.static_decode is not None:

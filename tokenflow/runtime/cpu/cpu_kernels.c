@@ -17,6 +17,7 @@
  *   products around an exact softmax (see below).
  * - rms_norm_bf16: the Llama-family RMSNorm in one pass instead of ~9 torch ops.
  * - silu_mul: a gated MLP's silu(gate) * up in one pass instead of two torch ops.
+ * - write_kv: a step's new K/V rows into their cache slots (two index_copy_ calls otherwise).
  *
  * Arithmetic follows transformers' eager bf16 modules: attention scores accumulated in fp32 and
  * rounded to bf16, scaled, softmax in fp32, probabilities rounded to bf16, the weighted sum of
@@ -520,6 +521,19 @@ void rope_bf16(uint16_t *qkv, int64_t rows, int64_t row_stride, int64_t heads, c
                 x[d] = float_to_bf16(a + b);
             }
         }
+    }
+}
+
+/* A step's new keys and values into their cache slots: row t of `k_new` / `v_new` (rows `row_stride` bytes
+ * apart, each `row_bytes` contiguous: a token's KV heads) to slot slots[t] of `k_slots` / `v_slots`. Two
+ * torch index_copy_ calls per layer otherwise; the caller guarantees the slots index the cache. */
+void write_kv(const char *k_new, const char *v_new, int64_t rows, int64_t row_stride, int64_t row_bytes,
+              const int64_t *slots, char *k_slots, char *v_slots)
+{
+#pragma omp parallel for schedule(static) if (rows >= 256)
+    for (int64_t t = 0; t < rows; ++t) {
+        memcpy(k_slots + slots[t] * row_bytes, k_new + t * row_stride, (size_t)row_bytes);
+        memcpy(v_slots + slots[t] * row_bytes, v_new + t * row_stride, (size_t)row_bytes);
     }
 }
 

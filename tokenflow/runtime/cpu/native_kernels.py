@@ -91,6 +91,9 @@ class NativeKernels:
         self._rope = library.rope_bf16
         self._rope.argtypes = (_P, _I, _I, _I, _P, _P)
         self._rope.restype = None
+        self._write_kv = library.write_kv
+        self._write_kv.argtypes = (_P, _P, _I, _I, _I, _P, _P, _P)
+        self._write_kv.restype = None
         self._silu_mul = library.silu_mul
         self._silu_mul.argtypes = (_P, ctypes.c_int, _I, _I, _P)
         self._silu_mul.restype = None
@@ -253,6 +256,23 @@ class NativeKernels:
         out = torch.empty_like(x)
         self._rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // width, width, eps, out.data_ptr())
         return out
+
+    def write_kv(self, k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor, k_new: torch.Tensor,
+                 v_new: torch.Tensor) -> bool:
+        """`k_slots[slots] = k_new` and the same for values, for contiguous caches `[num_slots, KVH, D]` and
+        rows `[T, KVH, D]` whose heads are contiguous (views of a QKV projection); False (nothing written)
+        where the layouts differ. The caller guarantees that `slots` index the cache (the runner builds them)."""
+        rows = k_new.shape[0]
+        row = k_slots[0].numel()
+        if not (k_new.dtype == v_new.dtype == k_slots.dtype == v_slots.dtype and k_slots.is_contiguous()
+                and v_slots.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()
+                and slots.shape == (rows,) and k_new.shape == v_new.shape == (rows, *k_slots.shape[1:])
+                and k_new[0].is_contiguous() and v_new[0].is_contiguous() and k_new.stride(0) == v_new.stride(0)):
+            return False
+        size = k_new.element_size()
+        self._write_kv(k_new.data_ptr(), v_new.data_ptr(), rows, k_new.stride(0) * size, row * size,
+                       slots.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr())
+        return True
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`silu(gate) * up` of a gated MLP's contiguous bf16 or fp32 `gate_up [rows, 2 * inter]`: `[rows, inter]`."""
