@@ -45,6 +45,20 @@ int few_rows_f32_available(void)
 /* 16 bf16 values as floats (exact). */
 static inline __m512 widen_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
 
+/* Lines of the next panel a pass fetches into L2 (`lines` from `at`), spread evenly over its k-steps. */
+typedef struct {
+    const char *at;
+    int64_t lines, done;
+} Ahead;
+
+static inline __attribute__((always_inline)) void fetch_ahead(Ahead *a, int64_t j, int64_t steps)
+{
+    while (a->done * steps < a->lines * (j + 1)) {
+        __builtin_prefetch(a->at + 64 * a->done, 0, 2);
+        ++a->done;
+    }
+}
+
 /* Rows 0 .. mr of the tile's output for channels n0 .. n0 + 64, from its fp32 accumulators; with a
  * `residual` (rows like the output's), the output is residual + product, the product rounded to the
  * dtype first: the roundings of a separate add. */
@@ -81,7 +95,7 @@ static inline __attribute__((always_inline)) void store_tile(const int mr, __m51
 
 static inline __attribute__((always_inline)) void tile_f32(const int mr, const float *x, int64_t k, const float *w,
                                                            const float *bias, int64_t n, int64_t n0,
-                                                           const float *residual, float *out)
+                                                           const float *residual, Ahead ahead, float *out)
 {
     __m512 acc[MR][NV];
     for (int r = 0; r < mr; ++r)
@@ -89,6 +103,8 @@ static inline __attribute__((always_inline)) void tile_f32(const int mr, const f
             acc[r][h] = _mm512_setzero_ps();
     const float *panel = w + (n0 / 16) * k * 16;
     for (int64_t j = 0; j < k; ++j) {
+        if (ahead.lines)
+            fetch_ahead(&ahead, j, k);
         __m512 wv[NV];
         for (int h = 0; h < NV; ++h)
             wv[h] = _mm512_loadu_ps(panel + (h * k + j) * 16);
@@ -105,7 +121,8 @@ static inline __attribute__((always_inline)) void tile_f32(const int mr, const f
 #if defined(__AVX512BF16__)
 static inline __attribute__((always_inline)) void tile_bf16(const int mr, const uint16_t *x, int64_t k,
                                                             const uint16_t *w, const float *bias, int64_t n,
-                                                            int64_t n0, const uint16_t *residual, uint16_t *out)
+                                                            int64_t n0, const uint16_t *residual, Ahead ahead,
+                                                            uint16_t *out)
 {
     __m512 acc[MR][NV];
     for (int r = 0; r < mr; ++r)
@@ -114,6 +131,8 @@ static inline __attribute__((always_inline)) void tile_bf16(const int mr, const 
     const int64_t k2 = k / 2;
     const uint16_t *panel = w + (n0 / 16) * k2 * 32;
     for (int64_t j = 0; j < k2; ++j) {
+        if (ahead.lines)
+            fetch_ahead(&ahead, j, k2);
         __m512bh wv[NV];
         for (int h = 0; h < NV; ++h)
             wv[h] = (__m512bh)_mm512_loadu_si512(panel + (h * k2 + j) * 32);
@@ -152,21 +171,33 @@ int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w
     if ((bf16 && k % 2) || n_pad % NR || n > n_pad)
         return 1;
     const int64_t panels = n_pad / NR, blocks = (m + MR - 1) / MR;
+    const int64_t panel_bytes = k * NR * (bf16 ? 2 : 4), panel_lines = panel_bytes / 64, later = m - MR;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
         for (int64_t blk = 0; blk < blocks; ++blk) {
             const int64_t r0 = blk * MR, n0 = p * NR;
             const int rows = (int)(m - r0 < MR ? m - r0 : MR);
+            /* A panel's first row block streams it from memory; the later ones read it from L2. With more than
+             * MR rows after the first block, their arithmetic outlasts a panel's memory time, so they fetch the
+             * next panel meanwhile, each block a share in proportion to its rows, and that memory time
+             * overlaps (16 rows: 6% faster bf16 steps, 3% fp32). With fewer rows the passes wait on the fetch
+             * (12 rows: 5% slower in fp32). */
+            Ahead ahead = {NULL, 0, 0};
+            if (blk > 0 && later > MR && p + 1 < panels) {
+                const int64_t first = (r0 - MR) * panel_lines / later, last = (r0 - MR + rows) * panel_lines / later;
+                ahead.at = (const char *)w + (p + 1) * panel_bytes + 64 * first;
+                ahead.lines = last - first;
+            }
 #if defined(__AVX512BF16__)
             if (bf16) {
 #define BF16(R) tile_bf16(R, (const uint16_t *)x + r0 * k, k, w, bias, n, n0,                                   \
-                         residual ? (const uint16_t *)residual + r0 * n : NULL, (uint16_t *)out + r0 * n)
+                         residual ? (const uint16_t *)residual + r0 * n : NULL, ahead, (uint16_t *)out + r0 * n)
                 TILES(BF16)
                 continue;
             }
 #endif
 #define F32(R) tile_f32(R, (const float *)x + r0 * k, k, w, bias, n, n0,                                        \
-                       residual ? (const float *)residual + r0 * n : NULL, (float *)out + r0 * n)
+                       residual ? (const float *)residual + r0 * n : NULL, ahead, (float *)out + r0 * n)
             TILES(F32)
         }
     }
