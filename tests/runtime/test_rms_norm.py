@@ -1,5 +1,5 @@
 """`fuse_rms_norms` leaves every logit bit-identical, in fp32 and bf16, and touches nothing else;
-with the native bf16 kernel, norms within one bf16 rounding of transformers' own."""
+with the native kernels, norms within one bf16 rounding (fp32: float rounding) of transformers' own."""
 
 from __future__ import annotations
 
@@ -41,22 +41,27 @@ def test_fused_rms_norm_logits_are_bit_identical(arch: str, norms: int, dtype: t
 @pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None,
                     reason="the native kernels build on Linux with a C compiler (elsewhere norms stay on torch ops)")
 @pytest.mark.parametrize(("arch", "norms"), [("llama", 5), ("qwen3", 9)])
-def test_native_bf16_rms_norm_is_transformers_arithmetic(arch: str, norms: int) -> None:
-    """Each norm module against its own HF forward on the same inputs: mostly the very same bf16
-    numbers, the rest a rounding step apart (the sum of squares runs in another order)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_rms_norm_is_transformers_arithmetic(arch: str, norms: int, dtype: torch.dtype) -> None:
+    """Each norm module against its own HF forward on the same inputs: bf16 mostly the very same
+    numbers, the rest a rounding step apart (the sum of squares runs in another order); fp32 equal
+    to float rounding."""
     kernels = load_native_kernels(64, 1)
     assert kernels is not None  # where a compiler exists, a failed build must not pass unnoticed
-    model = _model(arch, torch.bfloat16)
+    model = _model(arch, dtype)
     modules = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     g = torch.Generator().manual_seed(1)
-    inputs = [(torch.randn(3, 7, m.weight.shape[0], generator=g) * 3).to(torch.bfloat16) for m in modules]
+    inputs = [(torch.randn(3, 7, m.weight.shape[0], generator=g) * 3).to(dtype) for m in modules]
     with torch.inference_mode():
         want = [m(x) for m, x in zip(modules, inputs)]
         assert fuse_rms_norms(model, kernels) == norms
         got = [m(x) for m, x in zip(modules, inputs)]
         got_strided = modules[0](inputs[0].transpose(0, 1).contiguous().transpose(0, 1))  # torch path fallback
     for a, b in zip(got, want):
-        assert a.dtype == torch.bfloat16 and a.shape == b.shape
+        assert a.dtype == dtype and a.shape == b.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            continue
         assert (a == b).float().mean() > 0.95
         two_ulps = 2.0**-6 * b.float().abs()  # at least one bf16 step at |b|, at most two
         assert ((a.float() - b.float()).abs() <= two_ulps).all()

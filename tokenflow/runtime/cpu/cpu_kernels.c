@@ -15,7 +15,8 @@
  *   rounding) in one pass over the scores instead of four torch ops.
  * - paged_prefill_f32: causal attention of an fp32 prefill chunk over the paged cache, register-blocked
  *   products around an exact softmax (see below).
- * - rms_norm_bf16: the Llama-family RMSNorm in one pass instead of ~9 torch ops.
+ * - rms_norm_bf16 / rms_norm_f32: the Llama-family RMSNorm in one pass instead of ~9 torch ops (bf16)
+ *   or F.rms_norm's several.
  * - silu_mul: a gated MLP's silu(gate) * up in one pass instead of two torch ops.
  * - write_kv: a step's new K/V rows into their cache slots (two index_copy_ calls otherwise).
  *
@@ -493,6 +494,26 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, int64_t rows, int6
 #pragma omp simd
         for (int64_t i = 0; i < width; ++i)
             dst[i] = float_to_bf16(bf16_to_float(weight[i]) * round_to_bf16(bf16_to_float(row[i]) * inv_rms));
+    }
+}
+
+/* The same RMSNorm in fp32 (F.rms_norm's arithmetic, the sum of squares in another order).
+ *   x [rows, width] fp32, contiguous; weight [width] fp32; out [rows, width] fp32 (may be x).
+ */
+void rms_norm_f32(const float *x, const float *weight, int64_t rows, int64_t width, float eps, float *out)
+{
+#pragma omp parallel for schedule(static) if (rows * width >= 32768)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * width;
+        float *dst = out + r * width;
+        float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < width; ++i)
+            squares += row[i] * row[i];
+        const float inv_rms = 1.f / sqrtf(squares / (float)width + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i)
+            dst[i] = row[i] * inv_rms * weight[i];
     }
 }
 

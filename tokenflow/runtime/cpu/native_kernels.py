@@ -85,9 +85,10 @@ class NativeKernels:
         self._prefill_i8 = library.paged_prefill_i8
         self._prefill_i8.argtypes = (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P)
         self._prefill_i8.restype = ctypes.c_int
-        self._rms_norm = library.rms_norm_bf16
-        self._rms_norm.argtypes = (_P, _P, _I, _I, ctypes.c_float, _P)
-        self._rms_norm.restype = None
+        self._rms_norm = {torch.bfloat16: library.rms_norm_bf16, torch.float32: library.rms_norm_f32}
+        for kernel in self._rms_norm.values():
+            kernel.argtypes = (_P, _P, _I, _I, ctypes.c_float, _P)
+            kernel.restype = None
         self._rope = library.rope_bf16
         self._rope.argtypes = (_P, _I, _I, _I, _P, _P)
         self._rope.restype = None
@@ -247,14 +248,15 @@ class NativeKernels:
         return scores
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """Llama-family RMSNorm of bf16 `x [..., width]` (contiguous) with a bf16 `weight [width]`."""
+        """Llama-family RMSNorm of bf16 or fp32 `x [..., width]` (contiguous) with a `weight [width]` of x's dtype."""
         width = x.shape[-1]
-        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_contiguous():
-            raise ValueError("rms_norm needs contiguous bf16 input and a bf16 weight")
+        kernel = self._rms_norm.get(x.dtype)
+        if kernel is None or weight.dtype != x.dtype or not x.is_contiguous():
+            raise ValueError("rms_norm needs contiguous bf16 or fp32 input and a weight of its dtype")
         if weight.shape != (width,) or not weight.is_contiguous():
             raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} for rows of {width}")
         out = torch.empty_like(x)
-        self._rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // width, width, eps, out.data_ptr())
+        kernel(x.data_ptr(), weight.data_ptr(), x.numel() // width, width, eps, out.data_ptr())
         return out
 
     def write_kv(self, k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor, k_new: torch.Tensor,
