@@ -338,19 +338,20 @@ def test_int8_prefill_kernel_equals_the_fp32_one_over_the_dequantised_cache(star
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 130])
-def test_rope_in_place_is_transformers_arithmetic(rows: int) -> None:
-    """RoPE on the Q and K heads of QKV rows (V untouched), bit for bit as apply_rotary_pos_emb in bf16."""
+def test_rope_in_place_is_transformers_arithmetic(rows: int, dtype: torch.dtype) -> None:
+    """RoPE on the Q and K heads of QKV rows (V untouched), bit for bit as apply_rotary_pos_emb."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     kernels = load_native_kernels(64, 3)
     assert kernels is not None
     g = torch.Generator().manual_seed(rows)
     heads, kv_heads = 6, 2
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * 64, generator=g).to(BF16)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * 64, generator=g).to(dtype)
     angles = torch.randn(rows, 32, generator=g) * 10
-    cos = torch.cat([angles.cos()] * 2, -1).to(BF16)
-    sin = torch.cat([angles.sin()] * 2, -1).to(BF16)
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
     q = qkv[:, : heads * 64].view(rows, heads, 64).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
     k = qkv[:, heads * 64 : (heads + kv_heads) * 64].view(rows, kv_heads, 64).transpose(0, 1).unsqueeze(0)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos.unsqueeze(0), sin.unsqueeze(0))

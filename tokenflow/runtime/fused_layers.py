@@ -135,7 +135,7 @@ class FusedDecoder:
     def __init__(self, model: torch.nn.Module, *, pack: bool, few_rows: bool = False, post_ops: bool = False,
                  native: NativeKernels | None = None) -> None:
         base = model.model
-        self.native = native  # bf16: RoPE on Q and K as one C call
+        self.native = native  # RoPE on Q and K as one C call (bf16, fp32), the SiLU product
         self.model = model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
@@ -231,7 +231,7 @@ class FusedDecoder:
         """Logits `[len(logits_to_keep), vocab]` in the model's dtype for the packed step (`[1, T]` inputs)."""
         h = self.embed(input_ids[0])  # [T, hidden]
         cos, sin = self.rotary(h, position_ids)  # [1, T, D] each, in h's dtype
-        native = self.native if h.dtype == torch.bfloat16 else None  # RoPE: fp32 keeps torch's bits
+        native = self.native if h.dtype in (torch.bfloat16, torch.float32) else None
         if native is not None:
             cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
         else:

@@ -19,6 +19,7 @@
  *   or F.rms_norm's several.
  * - silu_mul: a gated MLP's silu(gate) * up in one pass instead of two torch ops.
  * - write_kv: a step's new K/V rows into their cache slots (two index_copy_ calls otherwise).
+ * - rope_bf16 / rope_f32: RoPE on a QKV projection's Q and K heads in place (five torch ops otherwise).
  *
  * Arithmetic follows transformers' eager bf16 modules: attention scores accumulated in fp32 and
  * rounded to bf16, scaled, softmax in fp32, probabilities rounded to bf16, the weighted sum of
@@ -545,16 +546,17 @@ void rope_bf16(uint16_t *qkv, int64_t rows, int64_t row_stride, int64_t heads, c
     }
 }
 
-/* A step's new keys and values into their cache slots: row t of `k_new` / `v_new` (rows `row_stride` bytes
- * apart, each `row_bytes` contiguous: a token's KV heads) to slot slots[t] of `k_slots` / `v_slots`. Two
- * torch index_copy_ calls per layer otherwise; the caller guarantees the slots index the cache. */
-void write_kv(const char *k_new, const char *v_new, int64_t rows, int64_t row_stride, int64_t row_bytes,
-              const int64_t *slots, char *k_slots, char *v_slots)
+/* A step's new keys and values into their cache slots: row t of `k_new` / `v_new` (rows `k_stride` /
+ * `v_stride` bytes apart, each `row_bytes` contiguous: a token's KV heads) to slot slots[t] of `k_slots` /
+ * `v_slots`. Two torch index_copy_ calls per layer otherwise; the caller guarantees the slots index the
+ * cache. */
+void write_kv(const char *k_new, const char *v_new, int64_t rows, int64_t k_stride, int64_t v_stride,
+              int64_t row_bytes, const int64_t *slots, char *k_slots, char *v_slots)
 {
 #pragma omp parallel for schedule(static) if (rows >= 256)
     for (int64_t t = 0; t < rows; ++t) {
-        memcpy(k_slots + slots[t] * row_bytes, k_new + t * row_stride, (size_t)row_bytes);
-        memcpy(v_slots + slots[t] * row_bytes, v_new + t * row_stride, (size_t)row_bytes);
+        memcpy(k_slots + slots[t] * row_bytes, k_new + t * k_stride, (size_t)row_bytes);
+        memcpy(v_slots + slots[t] * row_bytes, v_new + t * v_stride, (size_t)row_bytes);
     }
 }
 
@@ -582,6 +584,31 @@ void silu_mul(const void *gate_up, int bf16, int64_t rows, int64_t inter, void *
 #pragma omp simd
             for (int64_t j = 0; j < inter; ++j)
                 o[j] = g[j] / (1.f + expf(fminf(-g[j], 88.f))) * u[j];
+        }
+    }
+}
+
+/* The same RoPE in fp32, as transformers' apply_rotary_pos_emb computes it: x * cos and rotate_half(x) * sin
+ * each rounded, then their sum; contraction into an FMA is off here, so the bits are torch's.
+ *   qkv [rows, row_stride] fp32; cos, sin [rows, HEAD_DIM] fp32, contiguous.
+ */
+__attribute__((optimize("fp-contract=off"))) void rope_f32(float *qkv, int64_t rows, int64_t row_stride,
+                                                           int64_t heads, const float *cos, const float *sin)
+{
+    const int64_t half = HEAD_DIM / 2;
+#pragma omp parallel for schedule(static) if (rows * heads >= 512)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *c = cos + r * HEAD_DIM, *s = sin + r * HEAD_DIM;
+        for (int64_t h = 0; h < heads; ++h) {
+            float *x = qkv + r * row_stride + h * HEAD_DIM;
+            float in[HEAD_DIM];
+            memcpy(in, x, sizeof in);
+            for (int64_t d = 0; d < HEAD_DIM; ++d) {
+                const float rotated = d < half ? -in[d + half] : in[d - half];
+                const float a = in[d] * c[d];
+                const float b = rotated * s[d];
+                x[d] = a + b;
+            }
         }
     }
 }

@@ -89,11 +89,12 @@ class NativeKernels:
         for kernel in self._rms_norm.values():
             kernel.argtypes = (_P, _P, _I, _I, ctypes.c_float, _P)
             kernel.restype = None
-        self._rope = library.rope_bf16
-        self._rope.argtypes = (_P, _I, _I, _I, _P, _P)
-        self._rope.restype = None
+        self._rope = {torch.bfloat16: library.rope_bf16, torch.float32: library.rope_f32}
+        for kernel in self._rope.values():
+            kernel.argtypes = (_P, _I, _I, _I, _P, _P)
+            kernel.restype = None
         self._write_kv = library.write_kv
-        self._write_kv.argtypes = (_P, _P, _I, _I, _I, _P, _P, _P)
+        self._write_kv.argtypes = (_P, _P, _I, _I, _I, _I, _P, _P, _P)
         self._write_kv.restype = None
         self._silu_mul = library.silu_mul
         self._silu_mul.argtypes = (_P, ctypes.c_int, _I, _I, _P)
@@ -269,11 +270,11 @@ class NativeKernels:
         if not (k_new.dtype == v_new.dtype == k_slots.dtype == v_slots.dtype and k_slots.is_contiguous()
                 and v_slots.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()
                 and slots.shape == (rows,) and k_new.shape == v_new.shape == (rows, *k_slots.shape[1:])
-                and k_new[0].is_contiguous() and v_new[0].is_contiguous() and k_new.stride(0) == v_new.stride(0)):
+                and k_new[0].is_contiguous() and v_new[0].is_contiguous()):
             return False
         size = k_new.element_size()
-        self._write_kv(k_new.data_ptr(), v_new.data_ptr(), rows, k_new.stride(0) * size, row * size,
-                       slots.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr())
+        self._write_kv(k_new.data_ptr(), v_new.data_ptr(), rows, k_new.stride(0) * size, v_new.stride(0) * size,
+                       row * size, slots.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr())
         return True
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -287,16 +288,17 @@ class NativeKernels:
         return out
 
     def rope_(self, qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """RoPE in place on the first `heads` heads of bf16 `qkv [rows, >= heads * head_dim]` (rows contiguous),
-        with bf16 `cos`, `sin` `[rows, head_dim]`."""
+        """RoPE in place on the first `heads` heads of bf16 or fp32 `qkv [rows, >= heads * head_dim]` (rows
+        contiguous), with `cos`, `sin` `[rows, head_dim]` of its dtype."""
         rows, width = qkv.shape
-        ok = qkv.dtype == cos.dtype == sin.dtype == torch.bfloat16 and qkv.stride(1) == 1
+        kernel = self._rope.get(qkv.dtype)
+        ok = kernel is not None and qkv.dtype == cos.dtype == sin.dtype and qkv.stride(1) == 1
         if not ok or heads * self.head_dim > width or not (cos.is_contiguous() and sin.is_contiguous()):
-            raise ValueError("rope_ needs bf16 rows of at least `heads` heads and contiguous bf16 cos, sin")
+            raise ValueError("rope_ needs bf16 or fp32 rows of at least `heads` heads and contiguous cos, sin "
+                             "of their dtype")
         if cos.shape != (rows, self.head_dim) or sin.shape != cos.shape:
             raise ValueError(f"rope_: cos, sin of shape {tuple(cos.shape)} for {rows} rows of head_dim {self.head_dim}")
-        self._rope(qkv.data_ptr(), rows, qkv.stride(0), heads, cos.data_ptr(), sin.data_ptr())
-
+        kernel(qkv.data_ptr(), rows, qkv.stride(0), heads, cos.data_ptr(), sin.data_ptr())
 
 def _build_key(compiler: str, flags: tuple[str, ...], source: Path = SOURCE) -> str:
     """Hash of what the library depends on: source and the headers beside it, flags, compiler version, CPU
