@@ -71,13 +71,19 @@ class PagedBatch:
             out[i] = probs @ v
         return out
 
-    def native(self) -> torch.Tensor:
+    def native(self, strided: bool = False) -> torch.Tensor:
+        """The kernel's output; `strided`: the queries as rows of a wider projection (in place, as a QKV view)."""
         kernels = load_native_kernels(self.q.shape[-1], self.q.shape[2])
         assert kernels is not None
         lengths = torch.tensor(self.lengths, dtype=torch.long)
-        return kernels.decode(
-            self.q, self.k, self.v, self.tables, lengths, max(self.lengths), self.block_size, self.scale
-        )
+        q = self.q
+        if strided:
+            n = q.shape[0]
+            wide = torch.full((n, 2 * q[0].numel() + 7), float("nan"), dtype=q.dtype)
+            wide[:, 3:3 + q[0].numel()] = q.reshape(n, -1)
+            q = wide[:, 3:3 + q[0].numel()].view(q.shape)
+            assert not q.is_contiguous()
+        return kernels.decode(q, self.k, self.v, self.tables, lengths, max(self.lengths), self.block_size, self.scale)
 
 
 @needs_compiler
@@ -122,6 +128,7 @@ def test_kernel_matches_the_torch_ops_path(kv_heads: int, group: int, head_dim: 
     assert native_error.max() <= 1.5 * ops_error.max() + 1e-3
     assert native_error.mean() <= 1.2 * ops_error.mean() + 1e-5
     assert native_error.max() < 0.02  # outputs are O(1): a wrong key or block would be off by ~0.1-1
+    assert torch.equal(batch.native(strided=True), native)  # queries read in place from strided rows
 
 
 @needs_compiler
@@ -145,6 +152,7 @@ def test_fp32_kernel_matches_sdpa(kv_heads: int, group: int, head_dim: int, bloc
     native_error = (native.double() - exact).abs().max().item()
     assert native_error <= 4 * (sdpa.double() - exact).abs().max().item() + 1e-6
     assert native_error < 1e-5
+    assert torch.equal(batch.native(strided=True), native)
 
 
 @needs_compiler

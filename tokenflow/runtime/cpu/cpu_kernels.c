@@ -90,7 +90,8 @@ static inline void stage_blocks(uint16_t *stage, const uint16_t *cache, const in
 }
 
 /* One query token per sequence.
- *   q        [n, kv_heads, group, head_dim]      bf16, contiguous
+ *   q        [n, kv_heads, group, head_dim]      bf16, each sequence's heads contiguous, `q_stride` elements
+ *                                                apart (the query rows of a step's QKV projection, in place)
  *   k_cache  [num_slots, kv_heads, head_dim]     bf16 (slot = block * block_size + offset)
  *   v_cache  [num_slots, kv_heads, head_dim]     bf16
  *   tables   [n, max_blocks]                     int64: each sequence's blocks, in order
@@ -103,7 +104,7 @@ static inline void stage_blocks(uint16_t *stage, const uint16_t *cache, const in
  * Returns 0; -1 when group or head_dim differ from the build's GROUP and HEAD_DIM, -2 when out of
  * memory (nothing is guaranteed written then).
  */
-static int paged_decode_widening_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
+static int paged_decode_widening_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
                       int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
                       int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
                       uint16_t *out)
@@ -130,7 +131,7 @@ static int paged_decode_widening_bf16(const uint16_t *q, const uint16_t *k_cache
             float *acc = query + heads * HEAD_DIM;                               /* [heads, head_dim] */
             float *probs = acc + heads * HEAD_DIM;                               /* [heads, max_length] */
 
-            const uint16_t *q_seq = q + seq * heads * HEAD_DIM;
+            const uint16_t *q_seq = q + seq * q_stride;
             for (int64_t x = 0; x < heads * HEAD_DIM; ++x) {
                 query[x] = bf16_to_float(q_seq[x]);
                 acc[x] = 0.f;
@@ -196,7 +197,7 @@ static int paged_decode_widening_bf16(const uint16_t *q, const uint16_t *k_cache
  * their bf16 probabilities as the pair of weights). Rows are read in place, the next ones prefetched so
  * that their misses overlap the arithmetic; about twice the widening kernel's speed. */
 #define PREFETCH_ROWS 16
-static int paged_decode_dot_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
+static int paged_decode_dot_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
                       int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
                       int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
                       uint16_t *out)
@@ -210,7 +211,7 @@ static int paged_decode_dot_bf16(const uint16_t *q, const uint16_t *k_cache, con
         const int64_t *table = tables + seq * max_blocks;
         float *probs = scratch + seq * heads * (2 * max_length + 2);  /* [heads, max_length] fp32 */
         uint16_t *pb = (uint16_t *)(probs + heads * max_length); /* [heads, max_length + 1] bf16 */
-        const uint16_t *q_seq = q + seq * heads * HEAD_DIM;
+        const uint16_t *q_seq = q + seq * q_stride;
 
         /* scores: q . k with bf16 dot products (fp32 sums), rounded to bf16, scaled */
         for (int64_t t = 0; t < length; ++t) {
@@ -294,16 +295,16 @@ static int paged_decode_dot_bf16(const uint16_t *q, const uint16_t *k_cache, con
 
 #endif
 
-int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
+int paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
                       int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
                       int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
                       uint16_t *out)
 {
 #if defined(__AVX512BF16__) && HEAD_DIM % 32 == 0
-    return paged_decode_dot_bf16(q, k_cache, v_cache, tables, max_blocks, lengths, n, kv_heads, group_arg,
+    return paged_decode_dot_bf16(q, q_stride, k_cache, v_cache, tables, max_blocks, lengths, n, kv_heads, group_arg,
                                  head_dim_arg, block_size, max_length, scale, scratch, out);
 #else
-    return paged_decode_widening_bf16(q, k_cache, v_cache, tables, max_blocks, lengths, n, kv_heads, group_arg,
+    return paged_decode_widening_bf16(q, q_stride, k_cache, v_cache, tables, max_blocks, lengths, n, kv_heads, group_arg,
                                       head_dim_arg, block_size, max_length, scale, scratch, out);
 #endif
 }
@@ -311,7 +312,7 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
 /* The same single-token attention in fp32 (fp32 caches and queries, no rounding), rows read in place
  * with the next ones prefetched; scratch [n, heads * max_length] fp32. Returns 0, or -1 when group or
  * head_dim differ from the build's. */
-int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, const int64_t *tables,
                      int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
                      int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
                      float *out)
@@ -324,7 +325,7 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
         const int64_t length = lengths[seq];
         const int64_t *table = tables + seq * max_blocks;
         float *probs = scratch + seq * heads * max_length; /* [heads, max_length] */
-        const float *q_seq = q + seq * heads * HEAD_DIM;
+        const float *q_seq = q + seq * q_stride;
         for (int64_t t = 0; t < length; ++t) {
             const int64_t slot = table[t / block_size] * block_size + t % block_size;
             if (t + 8 < length) {

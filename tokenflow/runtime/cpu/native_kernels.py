@@ -60,7 +60,7 @@ class NativeKernels:
         self.head_dim = head_dim
         self.group = group
         self._decode = library.paged_decode_bf16
-        self._decode.argtypes = (_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P)
+        self._decode.argtypes = (_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P)
         self._decode.restype = ctypes.c_int
         self._decode_f32 = library.paged_decode_f32
         self._decode_f32.argtypes = self._decode.argtypes
@@ -109,7 +109,7 @@ class NativeKernels:
 
     def decode(
         self,
-        q: torch.Tensor,  # [n, KVH, G, D] bf16 or fp32 (the caches' dtype)
+        q: torch.Tensor,  # [n, KVH, G, D] bf16 or fp32 (the caches' dtype); rows may be strided (a QKV view)
         k_slots: torch.Tensor,  # [num_slots, KVH, D] bf16, contiguous
         v_slots: torch.Tensor,
         tables: torch.Tensor,  # [n, max_blocks] int64
@@ -127,12 +127,13 @@ class NativeKernels:
             raise ValueError("paged decode needs a contiguous cache and block tables")
         if not (q.dtype == k_slots.dtype == v_slots.dtype and q.dtype in (torch.bfloat16, torch.float32)):
             raise ValueError(f"paged decode needs bf16 or fp32 queries and caches, got {q.dtype}, {k_slots.dtype}")
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        if q.stride()[1:] != (group * head_dim, head_dim, 1):  # each sequence's heads must be contiguous
+            q = q.contiguous()
+        out = torch.empty((n, kv_heads, group, head_dim), dtype=q.dtype)
         scratch = torch.empty(n * kv_heads * group * (2 * head_dim + 2 * max_length + 2), dtype=torch.float32)
         kernel = self._decode if q.dtype == torch.bfloat16 else self._decode_f32
         status = kernel(
-            q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+            q.data_ptr(), q.stride(0), k_slots.data_ptr(), v_slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             lengths.data_ptr(), n, kv_heads, group, head_dim, block_size, max_length, scale,
             scratch.data_ptr(), out.data_ptr(),
         )
