@@ -148,7 +148,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     speculative_max_seqs: Positive = 4  # speculate only while at most this many requests run
     pack_cpu_weights: bool = True  # paged on CPU in fp32 or bf16: linear layers also keep a oneDNN-packed weight copy
     fused_layers: bool = True  # paged, Llama-family models: tokenflow's fused layer loop instead of the HF modules
-    native_kernels: bool = True  # paged, bf16 on CPU: C kernels (decode attention, prefill softmax, RMSNorm), needs cc
+    native_kernels: bool = True  # paged, bf16/fp32 on CPU: C kernels (attention, RMSNorm, RoPE, ...), needs cc
     cpu_keep_freed_memory: bool = True  # on CPU: glibc keeps freed memory for reuse (process-wide mallopt)
     plugin_settings: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)  # by stage name, for plugins
     debug_leaks: bool = False  # an idle engine holding KV blocks dies (EngineError) instead of only logging
