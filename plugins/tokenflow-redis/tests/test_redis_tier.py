@@ -45,6 +45,13 @@ def expected(tiny_model: Path) -> dict[str, list]:
     return {"long": greedy(LONG), "prompts": [greedy(p) for p in PROMPTS], "new": [greedy(p) for p in NEW]}
 
 
+async def published(engine: Engine, count: int, timeout_s: float = 10.0) -> None:
+    """Wait until `count` blocks are in Redis: publishing is write-behind, so it can trail the requests."""
+    with anyio.move_on_after(timeout_s):
+        while engine.stats()["redis_blocks_published"] < count:
+            await anyio.sleep(0.01)
+
+
 async def generate_all(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     results: dict[int, list[int]] = {}
 
@@ -97,6 +104,7 @@ async def test_a_second_process_gets_the_first_ones_prefix_and_response(
 async def test_redis_stopped_mid_run_no_request_fails_and_it_is_used_again(tiny_model, own_redis, expected) -> None:
     async with Engine(tiny_model, **settings([own_redis.url], timeout_s=0.2, retry_s=0.5)) as engine:
         assert await generate_all(engine, PROMPTS) == expected["prompts"]
+        await published(engine, 6 * 7)
         up = engine.stats()
         assert up["redis_blocks_published"] == 6 * 7
         # The pool (24 blocks) kept only the latest prompts: the first comes back from Redis.
