@@ -15,8 +15,7 @@
  *   rounding) in one pass over the scores instead of four torch ops.
  * - paged_prefill_f32: causal attention of an fp32 prefill chunk over the paged cache, register-blocked
  *   products around an exact softmax (see below).
- * - rms_norm_bf16 / rms_norm_f32: the Llama-family RMSNorm in one pass instead of ~9 torch ops (bf16)
- *   or F.rms_norm's several.
+ * - rms_norm: the Llama-family RMSNorm in one pass instead of ~9 torch ops (bf16) or F.rms_norm's several.
  * - silu_mul: a gated MLP's silu(gate) * up in one pass instead of two torch ops.
  * - write_kv: a step's new K/V rows into their cache slots (two index_copy_ calls otherwise).
  * - rope_bf16 / rope_f32: RoPE on a QKV projection's Q and K heads in place (five torch ops otherwise).
@@ -37,6 +36,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "rows.h"
 
 #if !defined(HEAD_DIM) || !defined(GROUP)
 #error "build with -DHEAD_DIM=<head_dim> -DGROUP=<query heads per KV head>"
@@ -476,46 +476,25 @@ int causal_softmax_bf16(uint16_t *scores, int64_t heads, int64_t rows, int64_t s
     return failed ? -1 : 0;
 }
 
-/* RMSNorm of bf16 rows as transformers' Llama-family norms compute it: each row in fp32, mean of
- * squares, x * rsqrt(mean + eps) rounded to bf16, times the bf16 weight, rounded to bf16.
- *   x [rows, width] bf16, contiguous; weight [width] bf16; out [rows, width] bf16 (may be x).
+/* RMSNorm of rows as transformers' Llama-family norms compute it (`normed_row`): each row in fp32, and with
+ * bf16 rows (`bf16`) x * rsqrt(mean(x^2) + eps) rounded to bf16, times the bf16 weight, rounded to bf16.
+ *   x [rows, width] bf16 or fp32, contiguous; weight [width] and out [rows, width] (may be x) of x's dtype.
  */
-void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, int64_t rows, int64_t width, float eps, uint16_t *out)
+void rms_norm(const void *x, int bf16, const void *weight, int64_t rows, int64_t width, float eps, void *out)
 {
+    const int64_t size = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if (rows * width >= 32768)
     for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t *row = x + r * width;
-        uint16_t *dst = out + r * width;
-        float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < width; ++i) {
-            const float v = bf16_to_float(row[i]);
-            squares += v * v;
+        float h[width];
+        normed_row((const char *)x + r * width * size, bf16, weight, eps, width, h);
+        if (bf16) {
+            uint16_t *dst = (uint16_t *)out + r * width;
+#pragma omp simd
+            for (int64_t i = 0; i < width; ++i)
+                dst[i] = float_to_bf16(h[i]); /* exact: h is rounded already */
+        } else {
+            memcpy((float *)out + r * width, h, sizeof(float) * (size_t)width);
         }
-        const float inv_rms = 1.f / sqrtf(squares / (float)width + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < width; ++i)
-            dst[i] = float_to_bf16(bf16_to_float(weight[i]) * round_to_bf16(bf16_to_float(row[i]) * inv_rms));
-    }
-}
-
-/* The same RMSNorm in fp32 (F.rms_norm's arithmetic, the sum of squares in another order).
- *   x [rows, width] fp32, contiguous; weight [width] fp32; out [rows, width] fp32 (may be x).
- */
-void rms_norm_f32(const float *x, const float *weight, int64_t rows, int64_t width, float eps, float *out)
-{
-#pragma omp parallel for schedule(static) if (rows * width >= 32768)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *row = x + r * width;
-        float *dst = out + r * width;
-        float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < width; ++i)
-            squares += row[i] * row[i];
-        const float inv_rms = 1.f / sqrtf(squares / (float)width + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < width; ++i)
-            dst[i] = row[i] * inv_rms * weight[i];
     }
 }
 
@@ -574,17 +553,14 @@ void silu_mul(const void *gate_up, int bf16, int64_t rows, int64_t inter, void *
             const uint16_t *g = (const uint16_t *)gate_up + r * 2 * inter, *u = g + inter;
             uint16_t *o = (uint16_t *)out + r * inter;
 #pragma omp simd
-            for (int64_t j = 0; j < inter; ++j) {
-                const float x = bf16_to_float(g[j]);
-                const float silu = round_to_bf16(x / (1.f + expf(fminf(-x, 88.f)))); /* exp kept finite */
-                o[j] = float_to_bf16(silu * bf16_to_float(u[j]));
-            }
+            for (int64_t j = 0; j < inter; ++j)
+                o[j] = float_to_bf16(round_to_bf16(silu(bf16_to_float(g[j]))) * bf16_to_float(u[j]));
         } else {
             const float *g = (const float *)gate_up + r * 2 * inter, *u = g + inter;
             float *o = (float *)out + r * inter;
 #pragma omp simd
             for (int64_t j = 0; j < inter; ++j)
-                o[j] = g[j] / (1.f + expf(fminf(-g[j], 88.f))) * u[j];
+                o[j] = silu(g[j]) * u[j];
         }
     }
 }

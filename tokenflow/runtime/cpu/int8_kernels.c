@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "rows.h"
 
 #define MR 8  /* rows per register tile */
 #define NR 32 /* output channels per register tile (two 16-wide vectors) */
@@ -91,37 +92,8 @@ static void gated_row(const void *gate_up, int bf16, int64_t inter, float *h)
     }
 #pragma omp simd
     for (int64_t j = 0; j < inter; ++j) {
-        const float silu = g[j] / (1.f + expf(fminf(-g[j], 88.f))); /* exp kept finite */
-        g[j] = bf16 ? round_to_bf16(round_to_bf16(silu) * u[j]) : silu * u[j];
-    }
-}
-
-/* An RMSNorm'd row, as the fused layers' norm gives it: x * rsqrt(mean(x^2) + eps), times the norm's
- * weight, with transformers' bf16 roundings when `bf16` (normalised, then weighted, each rounded). */
-static void normed_row(const void *x, int bf16, const void *norm_weight, float eps, int64_t width, float *h)
-{
-    float squares = 0.f;
-    if (bf16) {
-#pragma omp simd reduction(+ : squares)
-        for (int64_t j = 0; j < width; ++j) {
-            h[j] = bf16_to_float(((const uint16_t *)x)[j]);
-            squares += h[j] * h[j];
-        }
-    } else {
-        memcpy(h, x, sizeof(float) * (size_t)width);
-#pragma omp simd reduction(+ : squares)
-        for (int64_t j = 0; j < width; ++j)
-            squares += h[j] * h[j];
-    }
-    const float inv_rms = 1.f / sqrtf(squares / (float)width + eps);
-    if (bf16) {
-#pragma omp simd
-        for (int64_t j = 0; j < width; ++j)
-            h[j] = round_to_bf16(bf16_to_float(((const uint16_t *)norm_weight)[j]) * round_to_bf16(h[j] * inv_rms));
-    } else {
-#pragma omp simd
-        for (int64_t j = 0; j < width; ++j)
-            h[j] = ((const float *)norm_weight)[j] * (h[j] * inv_rms);
+        const float s = silu(g[j]);
+        g[j] = bf16 ? round_to_bf16(round_to_bf16(s) * u[j]) : s * u[j];
     }
 }
 

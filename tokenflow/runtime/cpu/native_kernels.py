@@ -85,10 +85,9 @@ class NativeKernels:
         self._prefill_i8 = library.paged_prefill_i8
         self._prefill_i8.argtypes = (_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P)
         self._prefill_i8.restype = ctypes.c_int
-        self._rms_norm = {torch.bfloat16: library.rms_norm_bf16, torch.float32: library.rms_norm_f32}
-        for kernel in self._rms_norm.values():
-            kernel.argtypes = (_P, _P, _I, _I, ctypes.c_float, _P)
-            kernel.restype = None
+        self._rms_norm = library.rms_norm
+        self._rms_norm.argtypes = (_P, ctypes.c_int, _P, _I, _I, ctypes.c_float, _P)
+        self._rms_norm.restype = None
         self._rope = {torch.bfloat16: library.rope_bf16, torch.float32: library.rope_f32}
         for kernel in self._rope.values():
             kernel.argtypes = (_P, _I, _I, _I, _P, _P)
@@ -252,13 +251,13 @@ class NativeKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Llama-family RMSNorm of bf16 or fp32 `x [..., width]` (contiguous) with a `weight [width]` of x's dtype."""
         width = x.shape[-1]
-        kernel = self._rms_norm.get(x.dtype)
-        if kernel is None or weight.dtype != x.dtype or not x.is_contiguous():
+        if x.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != x.dtype or not x.is_contiguous():
             raise ValueError("rms_norm needs contiguous bf16 or fp32 input and a weight of its dtype")
         if weight.shape != (width,) or not weight.is_contiguous():
             raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} for rows of {width}")
         out = torch.empty_like(x)
-        kernel(x.data_ptr(), weight.data_ptr(), x.numel() // width, width, eps, out.data_ptr())
+        self._rms_norm(x.data_ptr(), x.dtype == torch.bfloat16, weight.data_ptr(), x.numel() // width, width, eps,
+                       out.data_ptr())
         return out
 
     def write_kv(self, k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor, k_new: torch.Tensor,
@@ -300,6 +299,7 @@ class NativeKernels:
         if cos.shape != (rows, self.head_dim) or sin.shape != cos.shape:
             raise ValueError(f"rope_: cos, sin of shape {tuple(cos.shape)} for {rows} rows of head_dim {self.head_dim}")
         kernel(qkv.data_ptr(), rows, qkv.stride(0), heads, cos.data_ptr(), sin.data_ptr())
+
 
 def _build_key(compiler: str, flags: tuple[str, ...], source: Path = SOURCE) -> str:
     """Hash of what the library depends on: source and the headers beside it, flags, compiler version, CPU
