@@ -135,7 +135,7 @@ class FusedDecoder:
     def __init__(self, model: torch.nn.Module, *, pack: bool, few_rows: bool = False, post_ops: bool = False,
                  native: NativeKernels | None = None) -> None:
         base = model.model
-        self.native = native  # RoPE on Q and K as one C call (bf16, fp32), the SiLU product
+        self.native = native  # bf16, fp32: RoPE on Q and K and the SiLU product as one C call each
         self.model = model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
@@ -241,9 +241,8 @@ class FusedDecoder:
         q_end, k_end = heads * d, (heads + kv_heads) * d
         half = d // 2
         inter = self.intermediate
-        # oneDNN's post-op forms for steps of more rows than the few-rows kernel takes (prefill chunks); smaller
-        # steps keep the separate ops, whose bf16 roundings are transformers' own
-        post_ops = self.post_ops_on and t > FEW_ROWS
+        # oneDNN's post-op forms for the steps the few-rows kernel does not take (prefill chunks)
+        post_ops = self.post_ops_on and (t > FEW_ROWS or not self._few_rows)
         for index, layer in enumerate(self.layers):
             qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
             if native is not None:  # the same roundings as the torch ops below, in one pass, in place
@@ -265,6 +264,6 @@ class FusedDecoder:
                 h = layer.mlp(layer.post_norm(h), h)
                 continue
             gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
-            h = _gated_down(layer.down, gate_up, inter, h, self.native)
+            h = _gated_down(layer.down, gate_up, inter, h, native)
         kept = h.index_select(0, logits_to_keep)  # norms are row-wise: only the sampled rows
         return _normed_linear(self.lm_head, self.final_norm, kept)

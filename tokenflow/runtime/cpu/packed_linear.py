@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -48,19 +47,11 @@ def packed_dtypes() -> frozenset[torch.dtype]:
     return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
 
 
-def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
     """`x @ weight.T + bias` through a packed copy of `weight`; None where it does not apply."""
     if weight.device.type != "cpu" or weight.dtype not in packed_dtypes():
         return None  # plain linear still works
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
-    bias = None if bias is None else bias.detach()
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if not x.is_contiguous():
-            x = x.contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-    return forward
+    return PackedLinear(weight, bias)
 
 
 @functools.cache
@@ -79,20 +70,30 @@ def post_ops_available() -> bool:
 
 
 class PackedLinear:
-    """`x @ weight.T` through a packed copy of `weight` (bias-free), alone or with a fused residual add."""
+    """`x @ weight.T + bias` through a packed copy of `weight`, alone or with a fused post-op."""
 
-    __slots__ = ("packed",)
+    __slots__ = ("bias", "packed")
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
+        self.bias = None if bias is None else bias.detach()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """`silu(self(x))`, the SiLU applied to the fp32 sums."""
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "swish", [], "")
+
+    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """`self(x) * other` in one product."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), other.contiguous(), self.packed, self.bias,
+                                                         "mul")
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`residual + x @ weight.T` in one product (a new tensor)."""
-        return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), self.packed, None,
-                                                         "add")
+        """`residual + self(x)` in one product (a new tensor)."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), self.packed,
+                                                         self.bias, "add")
 
 
 class PackedGatedMLP:
@@ -111,9 +112,7 @@ class PackedGatedMLP:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual + down(silu(gate(x)) * up(x))`."""
         x = x.contiguous()
-        gated = torch.ops.mkldnn._linear_pointwise(x, self.gate.packed, None, "swish", [], "")
-        hidden = torch.ops.mkldnn._linear_pointwise.binary(x, gated, self.up.packed, None, "mul")
-        return self.down.add_to(hidden, residual)
+        return self.down.add_to(self.up.times(x, self.gate.silu(x)), residual)
 
     def gate_up(self, x: torch.Tensor) -> torch.Tensor:
         """`[gate(x) | up(x)]`: the concatenated projection, for the fused loop's other paths."""
