@@ -18,7 +18,7 @@
  * - rms_norm: the Llama-family RMSNorm in one pass instead of ~9 torch ops (bf16) or F.rms_norm's several.
  * - silu_mul: a gated MLP's silu(gate) * up in one pass instead of two torch ops.
  * - write_kv: a step's new K/V rows into their cache slots (two index_copy_ calls otherwise).
- * - rope_bf16 / rope_f32: RoPE on a QKV projection's Q and K heads in place (five torch ops otherwise).
+ * - rope: RoPE on a QKV projection's Q and K heads in place (five torch ops otherwise).
  *
  * Arithmetic follows transformers' eager bf16 modules: attention scores accumulated in fp32 and
  * rounded to bf16, scaled, softmax in fp32, probabilities rounded to bf16, the weighted sum of
@@ -498,29 +498,43 @@ void rms_norm(const void *x, int bf16, const void *weight, int64_t rows, int64_t
     }
 }
 
-/* RoPE in place on the first `heads` heads of each bf16 row of a QKV projection, as transformers'
- * eager bf16 apply_rotary_pos_emb: x * cos and rotate_half(x) * sin each rounded to bf16, their sum
- * rounded to bf16. One pass instead of five ops and two intermediate tensors.
- *   qkv [rows, row_stride] bf16; cos, sin [rows, HEAD_DIM] bf16, contiguous.
+/* HEAD_DIM values from element `at` of bf16 (`bf16`) or fp32 `src`, as floats. */
+static inline void widen_row(const void *src, int bf16, int64_t at, float *dst)
+{
+    for (int64_t d = 0; d < HEAD_DIM; ++d)
+        dst[d] = bf16 ? bf16_to_float(((const uint16_t *)src)[at + d]) : ((const float *)src)[at + d];
+}
+
+/* RoPE in place on the first `heads` heads of each row of a QKV projection, as transformers'
+ * apply_rotary_pos_emb: x * cos and rotate_half(x) * sin, their sum; in bf16 (`bf16`) each product and the
+ * sum rounded to bf16. Contraction into an FMA is off here, so fp32 keeps torch's bits too. One pass
+ * instead of five ops and two intermediate tensors.
+ *   qkv [rows, row_stride]; cos, sin [rows, HEAD_DIM], contiguous; all bf16 or all fp32.
  */
-void rope_bf16(uint16_t *qkv, int64_t rows, int64_t row_stride, int64_t heads, const uint16_t *cos,
-               const uint16_t *sin)
+__attribute__((optimize("fp-contract=off"))) void rope(void *qkv, int bf16, int64_t rows, int64_t row_stride,
+                                                       int64_t heads, const void *cos, const void *sin)
 {
     const int64_t half = HEAD_DIM / 2;
 #pragma omp parallel for schedule(static) if (rows * heads >= 512)
     for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t *c = cos + r * HEAD_DIM, *s = sin + r * HEAD_DIM;
+        float c[HEAD_DIM], s[HEAD_DIM];
+        widen_row(cos, bf16, r * HEAD_DIM, c);
+        widen_row(sin, bf16, r * HEAD_DIM, s);
         for (int64_t h = 0; h < heads; ++h) {
-            uint16_t *x = qkv + r * row_stride + h * HEAD_DIM;
-            float in[HEAD_DIM];
-            for (int64_t d = 0; d < HEAD_DIM; ++d)
-                in[d] = bf16_to_float(x[d]);
+            const int64_t at = r * row_stride + h * HEAD_DIM;
+            float in[HEAD_DIM], y[HEAD_DIM];
+            widen_row(qkv, bf16, at, in);
 #pragma omp simd
             for (int64_t d = 0; d < HEAD_DIM; ++d) {
                 const float rotated = d < half ? -in[d + half] : in[d - half];
-                const float a = round_to_bf16(in[d] * bf16_to_float(c[d]));
-                const float b = round_to_bf16(rotated * bf16_to_float(s[d]));
-                x[d] = float_to_bf16(a + b);
+                const float a = in[d] * c[d], b = rotated * s[d];
+                y[d] = bf16 ? round_to_bf16(a) + round_to_bf16(b) : a + b;
+            }
+            for (int64_t d = 0; d < HEAD_DIM; ++d) {
+                if (bf16)
+                    ((uint16_t *)qkv)[at + d] = float_to_bf16(y[d]);
+                else
+                    ((float *)qkv)[at + d] = y[d];
             }
         }
     }
@@ -561,31 +575,6 @@ void silu_mul(const void *gate_up, int bf16, int64_t rows, int64_t inter, void *
 #pragma omp simd
             for (int64_t j = 0; j < inter; ++j)
                 o[j] = silu(g[j]) * u[j];
-        }
-    }
-}
-
-/* The same RoPE in fp32, as transformers' apply_rotary_pos_emb computes it: x * cos and rotate_half(x) * sin
- * each rounded, then their sum; contraction into an FMA is off here, so the bits are torch's.
- *   qkv [rows, row_stride] fp32; cos, sin [rows, HEAD_DIM] fp32, contiguous.
- */
-__attribute__((optimize("fp-contract=off"))) void rope_f32(float *qkv, int64_t rows, int64_t row_stride,
-                                                           int64_t heads, const float *cos, const float *sin)
-{
-    const int64_t half = HEAD_DIM / 2;
-#pragma omp parallel for schedule(static) if (rows * heads >= 512)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *c = cos + r * HEAD_DIM, *s = sin + r * HEAD_DIM;
-        for (int64_t h = 0; h < heads; ++h) {
-            float *x = qkv + r * row_stride + h * HEAD_DIM;
-            float in[HEAD_DIM];
-            memcpy(in, x, sizeof in);
-            for (int64_t d = 0; d < HEAD_DIM; ++d) {
-                const float rotated = d < half ? -in[d + half] : in[d - half];
-                const float a = in[d] * c[d];
-                const float b = rotated * s[d];
-                x[d] = a + b;
-            }
         }
     }
 }

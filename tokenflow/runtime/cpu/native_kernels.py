@@ -88,10 +88,9 @@ class NativeKernels:
         self._rms_norm = library.rms_norm
         self._rms_norm.argtypes = (_P, ctypes.c_int, _P, _I, _I, ctypes.c_float, _P)
         self._rms_norm.restype = None
-        self._rope = {torch.bfloat16: library.rope_bf16, torch.float32: library.rope_f32}
-        for kernel in self._rope.values():
-            kernel.argtypes = (_P, _I, _I, _I, _P, _P)
-            kernel.restype = None
+        self._rope = library.rope
+        self._rope.argtypes = (_P, ctypes.c_int, _I, _I, _I, _P, _P)
+        self._rope.restype = None
         self._write_kv = library.write_kv
         self._write_kv.argtypes = (_P, _P, _I, _I, _I, _I, _P, _P, _P)
         self._write_kv.restype = None
@@ -291,14 +290,14 @@ class NativeKernels:
         """RoPE in place on the first `heads` heads of bf16 or fp32 `qkv [rows, >= heads * head_dim]` (rows
         contiguous), with `cos`, `sin` `[rows, head_dim]` of its dtype."""
         rows, width = qkv.shape
-        kernel = self._rope.get(qkv.dtype)
-        ok = kernel is not None and qkv.dtype == cos.dtype == sin.dtype and qkv.stride(1) == 1
+        ok = qkv.dtype in (torch.bfloat16, torch.float32) and qkv.dtype == cos.dtype == sin.dtype and qkv.stride(1) == 1
         if not ok or heads * self.head_dim > width or not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("rope_ needs bf16 or fp32 rows of at least `heads` heads and contiguous cos, sin "
                              "of their dtype")
         if cos.shape != (rows, self.head_dim) or sin.shape != cos.shape:
             raise ValueError(f"rope_: cos, sin of shape {tuple(cos.shape)} for {rows} rows of head_dim {self.head_dim}")
-        kernel(qkv.data_ptr(), rows, qkv.stride(0), heads, cos.data_ptr(), sin.data_ptr())
+        self._rope(qkv.data_ptr(), qkv.dtype == torch.bfloat16, rows, qkv.stride(0), heads, cos.data_ptr(),
+                   sin.data_ptr())
 
 
 def _build_key(compiler: str, flags: tuple[str, ...], source: Path = SOURCE) -> str:
