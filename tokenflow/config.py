@@ -150,6 +150,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     fused_layers: bool = True  # paged, Llama-family models: tokenflow's fused layer loop instead of the HF modules
     native_kernels: bool = True  # paged, bf16/fp32 on CPU: C kernels (attention, RMSNorm, RoPE, ...), needs cc
     cpu_keep_freed_memory: bool = True  # on CPU: glibc keeps freed memory for reuse (process-wide mallopt)
+    freeze_gc: bool = True  # after start, objects then alive leave the cyclic GC's scans (process-wide gc.freeze)
     plugin_settings: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)  # by stage name, for plugins
     debug_leaks: bool = False  # an idle engine holding KV blocks dies (EngineError) instead of only logging
 

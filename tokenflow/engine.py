@@ -34,6 +34,7 @@ from tokenflow.progress import steps
 from tokenflow.protocols import EngineContext, NextStage
 from tokenflow.request import Request, Wakeup
 from tokenflow.runtime.cpu.openmp_team import release_openmp_team
+from tokenflow.runtime.gc_heap import freeze_heap, release_heap
 from tokenflow.runtime.loader import load_model
 from tokenflow.runtime.model_thread import ModelThread
 from tokenflow.runtime.sampler import make_generator
@@ -76,6 +77,7 @@ class Engine:
         self._model_thread_task: _Background | None = None
         self.limits: RequestLimits | None = None
         self.model_name = ""
+        self._froze_heap = False  # this engine's start froze the GC heap (`freeze_gc`); its close releases it
 
     # -- lifecycle -----------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -101,6 +103,9 @@ class Engine:
             await self._start_on(model_thread, resolved.path)
             if config.warmup:
                 await self._warm_up()
+            if config.freeze_gc:
+                freeze_heap()
+                self._froze_heap = True
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._teardown(EngineClosed("the engine failed to start"))
@@ -198,6 +203,9 @@ class Engine:
             self._model_thread.close()
             await self._model_thread_task.wait()
         self._model_thread = self._model_thread_task = None
+        if self._froze_heap:
+            self._froze_heap = False
+            release_heap()
 
     # -- public API ----------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Completion:
