@@ -202,7 +202,8 @@ def _run_parts(args: argparse.Namespace) -> dict[str, Any]:
     header = "".join(f"{k.removesuffix('_ms') + ' ms':>13}" for k in keys)
     print(f"{'dtype':>9} {'case':>22} {'linears by':>10}" + header)
     for r in rows:
-        print(f"{r['dtype']:>9} {r['case']:>22} {r['linears_kernel']:>10}" + "".join(f"{r[k]:>13}" for k in keys))
+        cells = "".join(f"{'-' if r[k] is None else r[k]:>13}" for k in keys)  # None: not timed apart (C loop)
+        print(f"{r['dtype']:>9} {r['case']:>22} {r['linears_kernel']:>10}" + cells)
     results = {"parts": rows}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))

@@ -7,7 +7,9 @@ layers' linears, the head, attention (with the KV write), the norms, and the res
 the SiLU product, residual adds) as what remains of the step. Steps alternate between the engine's
 linears (the few-rows kernel for decodes, oneDNN with fused post-ops for prefill chunks, whose SiLU
 product and residual adds then count as linears) and plain oneDNN (`FusedDecoder.without_few_rows_kernel`),
-so both columns come from one run; medians over the repeats.
+so both columns come from one run; medians over the repeats. Decode steps also alternate with the
+engine's own form of them where it has one, all layers in one C call (`NativeDecodeLayers`, "C loop"):
+its step time only, as nothing inside it is a Python call to time.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import contextlib
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,9 +70,19 @@ def _install(runner: Any, timer: _PartTimer) -> None:
     fused_layers.attend = timer.wrap("attention", fused_layers.attend)
 
 
-def _linears(runner: Any, kernel: str) -> contextlib.AbstractContextManager[None]:
-    """The step's linears: the few-rows kernel, or oneDNN (`FusedDecoder.without_few_rows_kernel`)."""
-    return contextlib.nullcontext() if kernel == "few-rows" else runner.fused.without_few_rows_kernel()
+@contextlib.contextmanager
+def _linears(runner: Any, kernel: str, c_loop: Any) -> Iterator[None]:
+    """The step's linears: the few-rows kernel, oneDNN (`FusedDecoder.without_few_rows_kernel`), or the
+    few-rows kernel inside the C loop (`c_loop`, installed for the step only)."""
+    if kernel == "oneDNN":
+        with runner.fused.without_few_rows_kernel():
+            yield
+        return
+    runner.fused.native_layers = c_loop if kernel == "C loop" else None
+    try:
+        yield
+    finally:
+        runner.fused.native_layers = None
 
 
 def _uninstall_attention(original: Callable[..., Any]) -> None:
@@ -117,18 +129,20 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
     }
     timer = _PartTimer()
     original_attend = fused_layers.attend
+    c_loop, runner.fused.native_layers = runner.fused.native_layers, None  # parts are timed in the Python loop
     _install(runner, timer)
     rows = []
     try:
         for case, chunks in cases.items():
-            samples: dict[str, list[dict[str, float]]] = {"few-rows": [], "oneDNN": []}
+            kernels = ["few-rows", "oneDNN"] + (["C loop"] if c_loop is not None and case.startswith("decode") else [])
+            samples: dict[str, list[dict[str, float]]] = {kernel: [] for kernel in kernels}
             for _ in range(2):  # warm both
                 for kernel in samples:
-                    with _linears(runner, kernel):
+                    with _linears(runner, kernel, c_loop):
                         runner.execute(chunks)
             for _ in range(repeats):
                 for kernel in samples:
-                    with _linears(runner, kernel):
+                    with _linears(runner, kernel, c_loop):
                         timer.seconds.clear()
                         started = time.perf_counter()
                         runner.execute(chunks)
@@ -141,7 +155,8 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
                 label = "post-ops" if kernel == "few-rows" and case.startswith("prefill") else kernel
                 row = {"dtype": str(dtype).removeprefix("torch."), "case": case, "linears_kernel": label}
                 for key in ("step", "linears", "head", "attention", "norms", "rest"):
-                    row[f"{key}_ms"] = round(statistics.median(r.get(key, 0.0) for r in runs), 2)
+                    timed = kernel != "C loop" or key in ("step", "head")  # the head runs after the loop, in Python
+                    row[f"{key}_ms"] = round(statistics.median(r.get(key, 0.0) for r in runs), 2) if timed else None
                 rows.append(row)
     finally:
         _uninstall_attention(original_attend)

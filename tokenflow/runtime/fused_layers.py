@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, attend
+from tokenflow.runtime.cpu.decode_layers import DecodeLayerWeights, NativeDecodeLayers
 from tokenflow.runtime.cpu.few_rows_linear import FEW_ROWS, FewRowsLinear, few_rows_linear
 from tokenflow.runtime.cpu.native_kernels import NativeKernels
 from tokenflow.runtime.cpu.packed_linear import (
@@ -102,6 +103,27 @@ def _gated_down(down: Linear, gate_up: torch.Tensor, inter: int, residual: torch
     return _add_linear(down, native.silu_mul(gate_up), residual)
 
 
+def _native_layers(modules: torch.nn.ModuleList, layers: list[_Layer], native: NativeKernels | None,
+                   inter: int) -> NativeDecodeLayers | None:
+    """The C loop over `layers` (`tokenflow.runtime.cpu.decode_layers`) where every one runs its four linears on
+    the few-rows kernel and its norms share one epsilon; else None."""
+    if native is None or not layers:
+        return None
+    weights = []
+    epsilons = set()
+    for module, layer in zip(modules, layers, strict=True):
+        linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        if not all(isinstance(f, FewRowsLinear) for f in linears):
+            return None
+        norms = (module.input_layernorm, module.post_attention_layernorm)
+        epsilons.update(float(n.variance_epsilon) for n in norms)
+        weights.append(DecodeLayerWeights(norms[0].weight, norms[1].weight, *linears, scale=layer.scale))
+    dtype = weights[0].qkv.weight.packed.dtype
+    if len(epsilons) != 1 or any(w.input_norm.dtype != dtype or w.post_norm.dtype != dtype for w in weights):
+        return None
+    return NativeDecodeLayers(native, weights, epsilons.pop(), weights[0].o.weight.n, inter, dtype)
+
+
 def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False, post_ops: bool = False,
                       native: NativeKernels | None = None) -> FusedDecoder | None:
     """A FusedDecoder over `model`'s weights, or None when its layers are not the shape it runs."""
@@ -175,6 +197,8 @@ class FusedDecoder:
         # the few-rows kernel's linears, kept here: callers may wrap the layers' callables (bench-step --parts)
         self._few_rows = [f for f in self.linears().values() if isinstance(f, FewRowsLinear)]
         self.post_ops_on = True  # steps of more rows than the few-rows kernel takes run the post-op forms
+        # decode steps that run entirely through the few-rows and native kernels: all layers in one C call
+        self.native_layers = _native_layers(base.layers, self.layers, native, self.intermediate)
 
     def linear_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of every linear the loop runs, by name (`layers.<i>.qkv` / `.o` / `.gate_up` /
@@ -225,6 +249,7 @@ class FusedDecoder:
             layer.o_residual = None  # the post-op forms run the weights being replaced
         else:
             layer.mlp = None
+        self.native_layers = None  # it runs the few-rows weights being replaced
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
                  meta: PagedAttentionMetadata) -> torch.Tensor:
@@ -243,6 +268,10 @@ class FusedDecoder:
         inter = self.intermediate
         # oneDNN's post-op forms for the steps the few-rows kernel does not take (prefill chunks)
         post_ops = self.post_ops_on and (t > FEW_ROWS or not self._few_rows)
+        if self.native_layers is not None and t <= FEW_ROWS and self.native_layers.takes(h, meta):
+            self.native_layers.run(h, cos, sin, meta)  # the loop below, in C
+            kept = h.index_select(0, logits_to_keep)
+            return _normed_linear(self.lm_head, self.final_norm, kept)
         for index, layer in enumerate(self.layers):
             qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
             if native is not None:  # the same roundings as the torch ops below, in one pass, in place

@@ -222,8 +222,9 @@ class PagedModelRunner:
             raise ModelLoadError("attention='topk' needs a KV cache that tracks per-block key bounds")
         # Decodes whose contexts differ by at most this many tokens share one padded gather + SDPA;
         # farther apart, the padding would cost more than another (small) attention call. Matmul
-        # attention pays more per call than per padded key: all decodes in one group.
-        self.decode_group_slack = math.inf if self.matmul_attention else DECODE_GROUP_SLACK
+        # attention pays more per call than per padded key, and the native kernel reads each context's
+        # own length (no padding): all decodes in one group.
+        self.decode_group_slack = math.inf if self.matmul_attention or self.native else DECODE_GROUP_SLACK
         # Relative L2 error allowed by self_check: far above rounding, far below a mask off by one token.
         self.self_check_tolerance = 1e-4 if kv_cache.dtype == torch.float32 else 1e-2
         self.last_self_check_error: float | None = None

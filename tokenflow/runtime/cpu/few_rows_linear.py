@@ -65,6 +65,7 @@ class FewRowsKernels:
         self._linear = library.few_rows_linear
         self._linear.argtypes = (_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, _P)
         self._linear.restype = ctypes.c_int
+        self.linear_function = self._linear  # for native loops that call the kernel themselves (decode_layers)
 
     def linear(self, x: torch.Tensor, weight: FewRowsWeight) -> torch.Tensor:
         """`x [m, k]` (the weight's dtype) times the weight: `[m, n]`."""

@@ -97,6 +97,11 @@ class NativeKernels:
         self._silu_mul = library.silu_mul
         self._silu_mul.argtypes = (_P, ctypes.c_int, _I, _I, _P)
         self._silu_mul.restype = None
+        # decode_layers (tokenflow.runtime.cpu.decode_layers builds its arguments and calls it)
+        self.decode_layers = library.decode_layers
+        self.decode_layers.argtypes = (_P, _I, _P, ctypes.c_int, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P,
+                                       _I, _P, _I, _I, _P, _P)
+        self.decode_layers.restype = ctypes.c_int
 
     def _geometry(self, q: torch.Tensor) -> tuple[int, int, int, int]:
         """(n, kv_heads, group, head_dim) of decode queries `[n, KVH, G, D]`, checked against the build's."""
