@@ -77,6 +77,26 @@ async def test_hit_skips_prefill_and_reports_cached_tokens(tiny_model) -> None:
         assert salted.token_ids == first.token_ids
 
 
+@pytest.mark.parametrize("variant", [{}, {"kv_cache_dtype": "int8"}, {"attention": "topk", "topk_budget": 32}])
+async def test_prompts_parting_mid_block_share_its_first_rows(tiny_model, variant) -> None:
+    """Two prompts that share 40 tokens (2 full blocks and 8 rows of the third): the second takes the 8
+    rows by copy (int8: with their scales; topk: with the rows' key bounds) and its output is the same as
+    without the prefix cache (fp32: the same as transformers)."""
+    rng = random.Random(3)
+    stem = [rng.randrange(3, 400) for _ in range(40)]
+    prompts = [stem + [rng.randrange(3, 400) for _ in range(n)] for n in (60, 45)]
+    async with Engine(tiny_model, **settings(prefix_caching=False, **variant)) as engine:
+        cold = [(await engine.generate(p, max_tokens=8, temperature=0.0)).token_ids for p in prompts]
+    if not variant:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+        assert cold == [hf_greedy(model, p, 8) for p in prompts]
+    async with Engine(tiny_model, **settings(**variant)) as engine:
+        first = await engine.generate(prompts[0], max_tokens=8, temperature=0.0)
+        second = await engine.generate(prompts[1], max_tokens=8, temperature=0.0)
+    assert (first.usage.cached_tokens, second.usage.cached_tokens) == (0, 40)
+    assert [first.token_ids, second.token_ids] == cold
+
+
 async def test_warm_restart_gets_disk_hits(tiny_model, tmp_path) -> None:
     prompt = list(range(7, 7 + 120))
     async with Engine(tiny_model, **settings(cache_dir=str(tmp_path))) as engine:

@@ -278,11 +278,14 @@ class StaticBackend(ModelBackend, Protocol):
 @dataclass(frozen=True)
 class PrefixHit:
     """The resident cached prefix of a request: its `blocks` (in order) and how many of them are
-    unreferenced now (taking them moves them from cached to used)."""
+    unreferenced now (taking them moves them from cached to used). `partial` (block, rows): a
+    resident block whose first rows continue the prefix after `blocks`; `take_prefix` copies them
+    into the request's next block, and `num_tokens` counts them."""
 
     blocks: list[int]
     num_tokens: int
     num_cached: int = 0
+    partial: tuple[int, int] | None = None
 
 
 @runtime_checkable

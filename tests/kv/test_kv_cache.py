@@ -146,3 +146,30 @@ def test_int8_blocks_take_about_half_the_bytes() -> None:
     assert cache.nbytes == 2 * 2 * 6 * 4 * 2 * (8 + 4)
     cache.truncate(3)
     assert cache.nbytes == 2 * 2 * 3 * 4 * 2 * (8 + 4) and cache.k_scale_slots[0].shape == (12, 2)
+
+
+@pytest.mark.parametrize(("int8", "bounds"), [(False, False), (True, False), (False, True)])
+def test_copy_rows_copies_the_first_rows_of_every_layer(int8: bool, bounds: bool) -> None:
+    """A partial prefix hit: rows [0, n) of one block into another, K and V of every layer (int8: the scales;
+    topk: the destination's key bounds become those of the copied rows, whatever it held before)."""
+    cache = KVCache(num_layers=2, num_kv_heads=2, head_dim=4, num_blocks=4, block_size=4, dtype=torch.float32,
+                    device="cpu", int8=int8, track_key_bounds=bounds)
+    torch.manual_seed(0)
+    for layer in range(2):
+        k, v = torch.randn(16, 2, 4), torch.randn(16, 2, 4)
+        cache.write(layer, torch.arange(16), k, v)
+        if bounds:  # stale bounds of the destination's previous contents
+            cache.k_min[layer][3] = -100.0
+            cache.k_max[layer][3] = 100.0
+    before = cache.read_block(3)
+    cache.copy_rows(1, 3, 3)
+    after, source = cache.read_block(3), cache.read_block(1)
+    assert torch.equal(after[:, :, :3], source[:, :, :3])  # int8: codes and the 4 bytes of their scale
+    assert torch.equal(after[:, :, 3:], before[:, :, 3:])  # the rest is the request's to compute
+    if bounds:
+        for layer in range(2):
+            keys = cache.gather(layer, torch.tensor([3]))[0][0, :3]
+            assert torch.equal(cache.k_min[layer][3], keys.amin(0))
+            assert torch.equal(cache.k_max[layer][3], keys.amax(0))
+    with pytest.raises(ValueError, match="cannot copy"):
+        cache.copy_rows(1, 3, 5)

@@ -8,7 +8,8 @@ cached or restored under the wrong key shows up as wrong memory. After every ste
 - used + free + cached == total, and the three sets are disjoint;
 - every block's reference count is exactly the number of live references to it;
 - no block handed out by `allocate` is held by a live request;
-- every registered block holds the K/V of its key; hits are the longest resident prefix.
+- every registered block holds the K/V of its key; hits are the longest resident prefix, and a
+  partial hit copies the rows of the registered block under the same parent that shares the most tokens.
 """
 
 from __future__ import annotations
@@ -173,13 +174,16 @@ class PoolMachine(RuleBasedStateMachine):
         assert pool.match_prefix(req) is True
         if req not in self.tried:
             self.tried.append(req)
-        hits, keys = req.block_table, keys_of(req, bs)
+        hits, keys = req.block_table[:req.num_committed_blocks], keys_of(req, bs)
         cap = (req.num_tokens - 1) // bs
         assert len(hits) <= cap
-        assert req.num_computed_tokens == len(hits) * bs
+        rows = req.num_computed_tokens - len(hits) * bs  # copied from a partially matching block
+        assert 0 <= rows <= min(bs, req.num_tokens - 1 - len(hits) * bs)
+        assert len(req.block_table) == len(hits) + (rows > 0)
         if req.num_preemptions == 0:  # the hit is counted at the latest try before the first preemption
             assert req.num_cached_tokens == req.num_computed_tokens
-        assert req.num_committed_blocks == len(hits) and req.pinned_blocks == []
+        assert req.pinned_blocks == []
+        self._check_partial(req, hits, rows)
         for i, b in enumerate(hits):
             assert pool._key_of[b] == keys[i]
             assert torch.equal(block_value(pool, b), key_data(keys[i], bs))
@@ -189,8 +193,8 @@ class PoolMachine(RuleBasedStateMachine):
             assert b is None or pool._key_of[b] != nxt
         for b in pinned:  # the pins were handed over (as hits) or let go
             assert b in hits or pool.ref_count(b) == self.held()[b]
-        needed = pool.blocks_needed(req.num_tokens) - len(hits)
-        assert needed >= 1  # the last prompt token is always computed
+        assert pool.blocks_needed(req.num_tokens) > len(hits)  # the last prompt token is always computed
+        needed = pool.blocks_needed(req.num_tokens) - len(req.block_table)
         if pool.can_allocate(needed):
             req.block_table.extend(self.allocate(needed))
             self.waiting.remove(req)
@@ -201,6 +205,26 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.allocate(needed) == []  # raises OutOfBlocks and changes nothing
             self._release(req)  # hand the shared prefix back until it fits
             req.num_computed_tokens = 0
+
+    def _check_partial(self, req: Request, hits: list[int], rows: int) -> None:
+        """The partial hit's block is the request's own and holds the copied rows of a registered block
+        under the same parent that shares `rows` tokens; no registered block there shares more. (Admitted
+        with no block to spare, as `match_prefix` may be, the request computes those rows instead.)"""
+        pool, bs = self.pool, self.block_size
+        start = len(hits) * bs
+        parent = keys_of(req, bs)[len(hits) - 1].hash if hits else prefix_root(b"", req.params.cache_salt)
+        wanted = req.all_token_ids[start:min(start + bs, req.num_tokens - 1)]
+        siblings = [k for k in pool._key_of.values() if k.parent == parent]
+        shared = [next((i for i, (a, b) in enumerate(zip(k.tokens, wanted, strict=False)) if a != b),
+                       min(len(k.tokens), len(wanted))) for k in siblings]
+        no_room = pool.num_free == 0 and pool.num_cached <= 1  # at most the partial source, back in the cache
+        assert rows == max(shared, default=0) or (rows == 0 and no_room)
+        if rows:
+            block = req.block_table[-1]
+            assert pool.ref_count(block) == 1 and block not in pool._key_of
+            values = block_value(pool, block)[:, :, :rows]
+            assert any(torch.equal(values, torch.full_like(values, key_value(k)))
+                       for k, n in zip(siblings, shared, strict=True) if n == rows)
 
     @precondition(lambda self: any(r.num_computed_tokens < r.num_tokens for r in self.running))
     @rule(data=st.data())
@@ -412,17 +436,18 @@ def test_prefix_hit_shares_the_committed_blocks(policy_cls: type) -> None:
     assert first.num_cached_tokens == 0 and first.num_committed_blocks == 3
     second = make_request(prompt)
     assert pool.match_prefix(second) is True
-    # The last prompt token is always computed: at most (12 - 1) // 4 = 2 blocks come from the cache.
-    assert second.block_table == [0, 1]
-    assert second.num_computed_tokens == second.num_cached_tokens == 8
-    assert [pool.ref_count(b) for b in (0, 1, 2)] == [2, 2, 1]
-    assert pool.allocate(1) == [3]  # its own copy of the last block
-    second.block_table.append(3)
+    # The last prompt token is always computed: (12 - 1) // 4 = 2 full blocks come from the cache, and
+    # the first 3 rows of the third from block 2, copied into the request's own block 3.
+    assert second.block_table == [0, 1, 3]
+    assert second.num_computed_tokens == second.num_cached_tokens == 11
+    assert [pool.ref_count(b) for b in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert torch.equal(block_value(pool, 3)[:, :, :3], block_value(pool, 2)[:, :, :3])
+    assert not block_value(pool, 3)[:, :, 3:].any()  # the last row is the request's to compute
     second.num_computed_tokens = 12
     pool.commit(second)
     assert pool._block_of[keys_of(second, 4)[2].hash] == 2 and 3 not in pool._key_of  # block 3 stays private
     stats = pool.stats()
-    assert (stats["prefix_cache_hit_tokens"], stats["prefix_cache_queried_tokens"]) == (8, 24)
+    assert (stats["prefix_cache_hit_tokens"], stats["prefix_cache_queried_tokens"]) == (11, 24)
     # One token more: all three blocks are a hit.
     third = make_request([*prompt, 7])
     assert pool.match_prefix(third) and third.block_table == [0, 1, 2] and third.num_computed_tokens == 12
@@ -487,7 +512,11 @@ def test_restored_colliding_block_is_never_reused(field: str) -> None:
     (block,) = pool._key_of
     assert pool._key_of[block] == fake
     assert pool.match_prefix(req) is True
-    assert req.block_table == [] and req.num_computed_tokens == 0
+    if field == "tokens":  # a block for (5, 6, 7, 9) after the same root: its first 3 rows are a partial hit
+        assert req.block_table == [1] and req.num_computed_tokens == 3
+        assert torch.equal(block_value(pool, 1)[:, :, :3], block_value(pool, block)[:, :, :3])
+    else:
+        assert req.block_table == [] and req.num_computed_tokens == 0
     assert pool.restore(real, key_data(real, 4), None) is False  # another block holds the hash
     waiting = make_request([5, 6, 7, 8, 1])
     assert pool.restore(real, key_data(real, 4), waiting) is False

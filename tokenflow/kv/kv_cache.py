@@ -256,6 +256,23 @@ class KVCache:
                 self.k_min[layer][block_id] = keys.amin(0)
                 self.k_max[layer][block_id] = keys.amax(0)
 
+    def copy_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
+        """Copy the first `num_rows` slots of `src_block` into `dst_block`, every layer, K and V (int8:
+        with their scales; topk: the copied keys' bounds). A request that shares only the start of a
+        cached block (partial prefix reuse) takes those rows instead of computing them. Called on the
+        event loop between steps, like `write_block`: small copies, under torch's parallel threshold."""
+        if not 0 < num_rows <= self.block_size:
+            raise ValueError(f"cannot copy {num_rows} rows of a {self.block_size}-slot block")
+        for layer in range(self.num_layers):
+            for codes, scales in self._stores(layer):
+                codes[dst_block, :num_rows].copy_(codes[src_block, :num_rows])
+                if scales is not None:
+                    scales[dst_block, :num_rows].copy_(scales[src_block, :num_rows])
+            if self.track_key_bounds:
+                keys = self.gather(layer, torch.tensor([dst_block], device=self.device))[0][0, :num_rows]
+                self.k_min[layer][dst_block] = keys.amin(0)
+                self.k_max[layer][dst_block] = keys.amax(0)
+
     def _stores(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
         """(values, scales or None) of K then V in `layer`."""
         if self.quantized:

@@ -8,8 +8,11 @@ Every block is in one of three states, and `used + free + cached == total`:
 
 When a request is about to be admitted, `lookup_prefix` walks the keys of its
 full prompt blocks and finds each resident block whose key, parent and tokens
-all match; once the scheduler admits it, `take_prefix` references them and its
-prefill starts after them. As a request's blocks fill,
+all match; after them it looks for a resident block with the same parent whose
+first tokens continue the prompt (a partial block: chats that share a system
+prompt part ways mid-block). Once the scheduler admits it, `take_prefix`
+references the full blocks, copies the partial block's matching rows into the
+request's next block, and its prefill starts after them. As a request's blocks fill,
 `commit` registers them under their keys so later requests can share them;
 when it ends, `release` drops its references and its unshared blocks become
 cached. Allocation takes free blocks first and then evicts cached ones, in
@@ -29,6 +32,7 @@ All methods run on the event loop, between steps.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -66,6 +70,10 @@ class PrefixCache(BlockPool):
         self.commit_listeners: list[BlockListener] = []
         self._block_of: dict[bytes, int] = {}  # key hash -> block
         self._key_of: dict[int, BlockKey] = {}  # block -> its key (cached or used)
+        # parent key hash -> sorted (tokens, block) of the blocks under it: the one sharing the longest
+        # start with a prompt's next tokens is next to where those tokens would sort
+        self._children: dict[bytes, list[tuple[tuple[int, ...], int]]] = {}
+        self.share_partial_blocks = True
         self._tick = 0
         self.hit_tokens = 0
         self.queried_tokens = 0
@@ -92,8 +100,7 @@ class PrefixCache(BlockPool):
 
     def _evict_one(self) -> int:
         block = self.policy.evict()
-        key = self._key_of.pop(block)
-        del self._block_of[key.hash]
+        key = self._unregister(block)
         self.num_evictions += 1
         _notify(self.evict_listeners, block, key)  # tiers copy the block out before it is overwritten
         return block
@@ -101,11 +108,24 @@ class PrefixCache(BlockPool):
     def _drop_cached_from(self, num_blocks: int) -> None:
         for block in [b for b in self._key_of if b >= num_blocks and self._ref_count[b] == 0]:
             self.policy.forget(block)
-            key = self._key_of.pop(block)
-            del self._block_of[key.hash]
+            key = self._unregister(block)
             self.num_evictions += 1
             _notify(self.evict_listeners, block, key)  # tiers copy it out before its memory goes
             self._free.append(block)
+
+    def _register(self, block: int, key: BlockKey) -> None:
+        self._block_of[key.hash] = block
+        self._key_of[block] = key
+        bisect.insort(self._children.setdefault(key.parent, []), (key.tokens, block))
+
+    def _unregister(self, block: int) -> BlockKey:
+        key = self._key_of.pop(block)
+        del self._block_of[key.hash]
+        siblings = self._children[key.parent]
+        del siblings[bisect.bisect_left(siblings, (key.tokens,))]  # (tokens,) sorts just before (tokens, block)
+        if not siblings:
+            del self._children[key.parent]
+        return key
 
     def _unreferenced(self, block_id: int) -> None:
         if block_id in self._key_of:
@@ -159,7 +179,32 @@ class PrefixCache(BlockPool):
                 return None  # the rest of its prefix is on its way from this tier
             hits = self.resident_prefix(keys)  # installing its load may have evicted or added blocks
         unreferenced = sum(1 for b in hits if self._ref_count[b] == 0)
-        return PrefixHit(hits, len(hits) * self.block_size, unreferenced)
+        num_tokens = len(hits) * self.block_size
+        parent = keys[len(hits) - 1].hash if hits else prefix_root(self.model_key, request.params.cache_salt)
+        partial = self.partial_block(request, parent, num_tokens)
+        if partial is None:
+            return PrefixHit(hits, num_tokens, unreferenced)
+        # the source counts as taken: it is referenced while the request's own block is allocated
+        return PrefixHit(hits, num_tokens + partial[1], unreferenced + (self._ref_count[partial[0]] == 0), partial)
+
+    def partial_block(self, request: Request, parent: bytes, start: int) -> tuple[int, int] | None:
+        """(block, rows): the resident block under `parent` whose first tokens continue the request's
+        prompt from token `start` furthest (short of its last token, which is always computed); None
+        when none shares a token."""
+        limit = min(self.block_size, request.num_tokens - 1 - start)
+        siblings = self._children.get(parent)
+        if not self.share_partial_blocks or self.kv is None or limit <= 0 or not siblings:
+            return None
+        prompt = request.prompt_token_ids or []
+        source = prompt if start + limit <= len(prompt) else request.all_token_ids  # no copy of a long prompt
+        wanted = tuple(source[start:start + limit])
+        i = bisect.bisect_left(siblings, (wanted,))
+        best: tuple[int, int] | None = None
+        for tokens, block in siblings[max(i - 1, 0):i + 1]:
+            shared = _common_start(tokens, wanted)
+            if shared and (best is None or shared > best[1]):
+                best = (block, shared)
+        return best
 
     def take_prefix(self, request: Request, hit: PrefixHit) -> None:
         """Admit `request` after its cached prefix: reference the hit's blocks, drop its pins."""
@@ -170,7 +215,16 @@ class PrefixCache(BlockPool):
             request.pinned_blocks = []
         request.block_table = list(hit.blocks)
         request.num_committed_blocks = len(hit.blocks)
-        request.num_computed_tokens = hit.num_tokens
+        request.num_computed_tokens = len(hit.blocks) * self.block_size
+        if hit.partial is not None and self.kv is not None:
+            source, rows = hit.partial
+            self._reference(source)  # kept from eviction while the request's block is allocated
+            if self.can_allocate(1):  # else (an unchecked admission, no room) those rows are computed
+                block = self.allocate(1)[0]
+                self.kv.copy_rows(source, block, rows)
+                request.block_table.append(block)
+                request.num_computed_tokens += rows
+            self.free([source])
         if request.num_preemptions == 0:  # counted once per request, at its admission
             self.queried_tokens += request.num_prompt_tokens - request.num_prefix_queried_tokens
             self.hit_tokens += request.num_computed_tokens - request.num_cached_tokens
@@ -187,8 +241,7 @@ class PrefixCache(BlockPool):
         for i in range(request.num_committed_blocks, upto):
             key, block = keys[i], request.block_table[i]
             if block >= 0 and key.hash not in self._block_of and block not in self._key_of:
-                self._block_of[key.hash] = block
-                self._key_of[block] = key
+                self._register(block, key)
                 _notify(self.commit_listeners, block, key)
             # else: another request computed the same block first; this copy stays private
         request.num_committed_blocks = upto
@@ -231,8 +284,7 @@ class PrefixCache(BlockPool):
                 return False
             block = self.allocate(1)[0]
             self.kv.write_block(block, data)
-            self._block_of[key.hash] = block
-            self._key_of[block] = key
+            self._register(block, key)
             self.num_restored += 1
             if request is None:
                 self._tick += 1
@@ -283,6 +335,16 @@ class PrefixCache(BlockPool):
 
 
 TokenPool = PrefixCache  # the old name
+
+
+def _common_start(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _notify(listeners: list[BlockListener], block: int, key: BlockKey) -> None:

@@ -196,8 +196,9 @@ class Scheduler:
                     continue
                 break
             self.waiting.pop(i)
-            pool.take_prefix(request, hit)
-            request.block_table.extend(pool.allocate(needed))
+            pool.take_prefix(request, hit)  # a partial block hit gives the request its next block too
+            request.block_table.extend(pool.allocate(pool.blocks_needed(request.num_computed_tokens + num_new)
+                                                     - len(request.block_table)))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.chunks.append(ScheduledChunk(request, num_new))
