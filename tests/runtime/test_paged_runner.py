@@ -324,3 +324,25 @@ def test_refuses_position_dependent_rope() -> None:
     model = LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters=rope))
     with pytest.raises(ModelLoadError, match="dynamic"):
         make_runner(model)
+
+
+def test_the_last_layer_runs_past_attention_only_for_the_sampled_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only sampled rows are read after the last layer: its MLP sees those rows (none in a step whose chunks all
+    stop short of their prompt's end), and their logits are the full forward's."""
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    runner, pool = make_runner(model)
+    assert runner.fused is not None
+    last = runner.fused.layers[-1]
+    rows: list[int] = []
+    norm = last.post_norm
+    monkeypatch.setattr(last, "post_norm", lambda x: rows.append(x.shape[0]) or norm(x))
+    g = torch.Generator().manual_seed(5)
+    long, short = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 9))
+    seqs = Seq(long), Seq(short)
+    logits = runner.execute([seqs[0].chunk(pool, 20)])  # the first half of a prompt: nothing to sample
+    assert logits.shape == (0, 256) and rows == []
+    logits = runner.execute([seqs[0].chunk(pool, 20), seqs[1].chunk(pool, 9)])
+    assert rows == [2]  # of 29 rows
+    want = torch.stack([reference_logits(ref, long)[-1], reference_logits(ref, short)[-1]])
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)

@@ -272,6 +272,7 @@ class FusedDecoder:
             self.native_layers.run(h, cos, sin, meta)  # the loop below, in C
             kept = h.index_select(0, logits_to_keep)
             return _normed_linear(self.lm_head, self.final_norm, kept)
+        last, selected = len(self.layers) - 1, False
         for index, layer in enumerate(self.layers):
             qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
             if native is not None:  # the same roundings as the torch ops below, in one pass, in place
@@ -285,6 +286,13 @@ class FusedDecoder:
                 q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, k_end:].view(t, kv_heads, d)
             out = attend(index, q, k, v, meta, layer.scale)  # [T, H, D]
+            if index == last and len(logits_to_keep) < t:
+                # Past the last layer's attention only the sampled rows are read (its K/V are written):
+                # the output projection and MLP of a prefill chunk's other rows would be thrown away.
+                if len(logits_to_keep) == 0:  # no chunk of the step ends its prompt
+                    return _normed_linear(self.lm_head, self.final_norm, h[:0])
+                out, h = out.index_select(0, logits_to_keep), h.index_select(0, logits_to_keep)
+                t, selected = h.shape[0], True
             if post_ops and layer.o_residual is not None:
                 h = layer.o_residual.add_to(out.reshape(t, q_end), h)
             else:
@@ -294,5 +302,5 @@ class FusedDecoder:
                 continue
             gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
             h = _gated_down(layer.down, gate_up, inter, h, native)
-        kept = h.index_select(0, logits_to_keep)  # norms are row-wise: only the sampled rows
+        kept = h if selected else h.index_select(0, logits_to_keep)  # norms are row-wise: only the sampled rows
         return _normed_linear(self.lm_head, self.final_norm, kept)
