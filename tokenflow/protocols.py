@@ -295,7 +295,9 @@ class KVPool(Protocol):
 
     The scheduler reserves blocks with `can_allocate` / `allocate`; admits a request with
     `lookup_prefix` (a query: the resident prefix it may share, or None while a lower tier loads it)
-    then, once it fits, `take_prefix` (references those blocks and starts the request after them);
+    then, once it fits, `take_prefix` (references those blocks and starts the request after them, at
+    `request.num_computed_tokens`; a partial hit also gives the request its next block, holding the
+    copied rows: the scheduler allocates what the block table still lacks);
     reports computed blocks with `commit` and returns everything with `release`.
 
     Tiers below the pool (the disk tier, a plugin's shared store) build on `BlockTier` and use the
