@@ -73,7 +73,6 @@ class PrefixCache(BlockPool):
         # parent key hash -> sorted (tokens, block) of the blocks under it: the one sharing the longest
         # start with a prompt's next tokens is next to where those tokens would sort
         self._children: dict[bytes, list[tuple[tuple[int, ...], int]]] = {}
-        self.share_partial_blocks = True
         self._tick = 0
         self.hit_tokens = 0
         self.queried_tokens = 0
@@ -185,7 +184,7 @@ class PrefixCache(BlockPool):
         if partial is None:
             return PrefixHit(hits, num_tokens, unreferenced)
         # the source counts as taken: it is referenced while the request's own block is allocated
-        return PrefixHit(hits, num_tokens + partial[1], unreferenced + (self._ref_count[partial[0]] == 0), partial)
+        return PrefixHit(hits, num_tokens + partial[1], unreferenced + int(self._ref_count[partial[0]] == 0), partial)
 
     def partial_block(self, request: Request, parent: bytes, start: int) -> tuple[int, int] | None:
         """(block, rows): the resident block under `parent` whose first tokens continue the request's
@@ -193,7 +192,7 @@ class PrefixCache(BlockPool):
         when none shares a token."""
         limit = min(self.block_size, request.num_tokens - 1 - start)
         siblings = self._children.get(parent)
-        if not self.share_partial_blocks or self.kv is None or limit <= 0 or not siblings:
+        if self.kv is None or limit <= 0 or not siblings:
             return None
         prompt = request.prompt_token_ids or []
         source = prompt if start + limit <= len(prompt) else request.all_token_ids  # no copy of a long prompt

@@ -268,11 +268,10 @@ class FusedDecoder:
         inter = self.intermediate
         # oneDNN's post-op forms for the steps the few-rows kernel does not take (prefill chunks)
         post_ops = self.post_ops_on and (t > FEW_ROWS or not self._few_rows)
-        if self.native_layers is not None and t <= FEW_ROWS and self.native_layers.takes(h, meta):
+        if self.native_layers is not None and self.native_layers.takes(h, meta):
             self.native_layers.run(h, cos, sin, meta)  # the loop below, in C
-            kept = h.index_select(0, logits_to_keep)
-            return _normed_linear(self.lm_head, self.final_norm, kept)
-        last, selected = len(self.layers) - 1, False
+            return self._logits(h.index_select(0, logits_to_keep))
+        last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
             if native is not None:  # the same roundings as the torch ops below, in one pass, in place
@@ -286,13 +285,13 @@ class FusedDecoder:
                 q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, k_end:].view(t, kv_heads, d)
             out = attend(index, q, k, v, meta, layer.scale)  # [T, H, D]
-            if index == last and len(logits_to_keep) < t:
-                # Past the last layer's attention only the sampled rows are read (its K/V are written):
-                # the output projection and MLP of a prefill chunk's other rows would be thrown away.
+            if index == last:
+                # Past the last layer's attention only the sampled rows are read (its K/V are written): a
+                # prefill chunk's other rows skip the output projection and MLP. Rows are row-wise from here.
                 if len(logits_to_keep) == 0:  # no chunk of the step ends its prompt
-                    return _normed_linear(self.lm_head, self.final_norm, h[:0])
+                    return self._logits(h[:0])
                 out, h = out.index_select(0, logits_to_keep), h.index_select(0, logits_to_keep)
-                t, selected = h.shape[0], True
+                t = h.shape[0]
             if post_ops and layer.o_residual is not None:
                 h = layer.o_residual.add_to(out.reshape(t, q_end), h)
             else:
@@ -302,5 +301,8 @@ class FusedDecoder:
                 continue
             gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
             h = _gated_down(layer.down, gate_up, inter, h, native)
-        kept = h if selected else h.index_select(0, logits_to_keep)  # norms are row-wise: only the sampled rows
-        return _normed_linear(self.lm_head, self.final_norm, kept)
+        return self._logits(h)
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """The head over the final norm of the rows to sample."""
+        return _normed_linear(self.lm_head, self.final_norm, rows)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -34,16 +35,17 @@ class _DecodeLayer(ctypes.Structure):
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("scale", ctypes.c_float))
 
 
+@dataclass(frozen=True, slots=True)
 class DecodeLayerWeights:
     """One layer's weights as the C loop reads them: its norms' weights and its four few-rows linears."""
 
-    __slots__ = ("down", "gate_up", "input_norm", "o", "post_norm", "qkv", "scale")
-
-    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, qkv: FewRowsLinear, o: FewRowsLinear,
-                 gate_up: FewRowsLinear, down: FewRowsLinear, scale: float) -> None:
-        self.input_norm, self.post_norm = input_norm, post_norm
-        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
-        self.scale = scale
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: FewRowsLinear
+    o: FewRowsLinear
+    gate_up: FewRowsLinear
+    down: FewRowsLinear
+    scale: float
 
 
 def _packed(weight: FewRowsWeight) -> _PackedWeight:
