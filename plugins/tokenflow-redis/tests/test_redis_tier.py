@@ -120,6 +120,7 @@ async def test_redis_stopped_mid_run_no_request_fails_and_it_is_used_again(tiny_
         own_redis.start()  # empty: nothing survived
         await anyio.sleep(0.6)
         assert await generate_all(engine, NEW) == expected["new"]
+        await published(engine, down["redis_blocks_published"] + 1)
         back = engine.stats()
         assert back["redis_breaker_recoveries"] == 1
         assert back["redis_blocks_published"] > down["redis_blocks_published"]  # sharing again
@@ -157,6 +158,7 @@ async def test_replicas_with_another_secret_share_nothing(tiny_model, redis_urls
     async with Engine(tiny_model, **theirs) as engine:
         await engine.generate(LONG, max_tokens=MAX_TOKENS, temperature=0.0)
         await engine.generate("a cached answer", max_tokens=6, temperature=0.0, cache_response=True)
+        await published(engine, 18)
         assert engine.stats()["redis_blocks_published"] >= 18
     async with Engine(tiny_model, **{**settings(redis_urls), "num_kv_blocks": 64}) as engine:
         done = await engine.generate(LONG, max_tokens=MAX_TOKENS, temperature=0.0)
