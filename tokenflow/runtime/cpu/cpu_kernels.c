@@ -309,10 +309,133 @@ int paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cac
 #endif
 }
 
-/* The same single-token attention in fp32 (fp32 caches and queries, no rounding), rows read in place
- * with the next ones prefetched; scratch [n, heads * max_length] fp32. Returns 0, or -1 when group or
- * head_dim differ from the build's. */
+#if defined(__AVX512F__) && HEAD_DIM % 16 == 0
+#define TOKEN_TILE 16 /* keys per tile: one vector of scores */
+
+/* Lane t of the result: the sum of v[t]'s 16 lanes (16 dot products' partial vectors, reduced together). */
+static inline __m512 sum_lanes16(const __m512 v[TOKEN_TILE])
+{
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* The cache slots of keys first .. first + count - 1 (count <= TOKEN_TILE); the rest repeat the last. */
+static inline void tile_slots(int64_t slots[TOKEN_TILE], const int64_t *table, int64_t first, int64_t count,
+                              int64_t block_size)
+{
+    int64_t block = first / block_size, offset = first % block_size;
+    for (int64_t t = 0; t < TOKEN_TILE; ++t) {
+        slots[t] = table[block] * block_size + offset;
+        if (t + 1 < count && ++offset == block_size) {
+            offset = 0;
+            ++block;
+        }
+    }
+}
+
+/* The same single-token attention in fp32 (fp32 caches and queries, no rounding, exact softmax).
+ * scratch [n, heads * (max_length + HEAD_DIM)] fp32. Keys go by tiles of 16. The scores pass reads each
+ * tile's rows front to back, all heads of a row together, each dot product left as a vector of partial
+ * sums, the tile's 16 reduced at once per head; the values pass goes one KV head at a time with its GROUP
+ * accumulators in registers. Each pass prefetches the next tile's rows in step with the ones it reads:
+ * front-to-back reads and fetches ahead keep the memory streaming while the arithmetic runs (README,
+ * "Where the CPU speed comes from"). Returns 0, or -1 when group or head_dim differ from the build's. */
 int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, const int64_t *tables,
+                     int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
+                     int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
+                     float *out)
+{
+    if (head_dim_arg != HEAD_DIM || group_arg != GROUP)
+        return -1;
+    const int64_t heads = kv_heads * GROUP, slot_stride = kv_heads * HEAD_DIM;
+    const int64_t row_lines = slot_stride * 4 / 64, head_lines = HEAD_DIM * 4 / 64;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t seq = 0; seq < n; ++seq) {
+        const int64_t length = lengths[seq], tiles = (length + TOKEN_TILE - 1) / TOKEN_TILE;
+        const int64_t *table = tables + seq * max_blocks;
+        float *probs = scratch + seq * heads * (max_length + HEAD_DIM); /* [heads, max_length] */
+        float *acc = probs + heads * max_length;                         /* [heads, HEAD_DIM] */
+        const float *q_seq = q + seq * q_stride;
+        __m512 part[heads][TOKEN_TILE];
+        int64_t slots[TOKEN_TILE], next[TOKEN_TILE];
+
+        /* scores */
+        tile_slots(slots, table, 0, length < TOKEN_TILE ? length : TOKEN_TILE, block_size);
+        for (int64_t i = 0; i < tiles; ++i) {
+            const int64_t first = i * TOKEN_TILE, count = length - first < TOKEN_TILE ? length - first : TOKEN_TILE;
+            const int64_t later = length - first - count; /* keys past this tile */
+            tile_slots(next, table, first + count, later < TOKEN_TILE ? later : TOKEN_TILE, block_size);
+            for (int64_t t = 0; t < count; ++t) {
+                if (t < later)
+                    for (int64_t l = 0; l < row_lines; ++l)
+                        __builtin_prefetch((const char *)(k_cache + next[t] * slot_stride) + 64 * l, 0, 2);
+                const float *krow = k_cache + slots[t] * slot_stride;
+                for (int64_t h = 0; h < heads; ++h) {
+                    const float *k = krow + (h / GROUP) * HEAD_DIM, *qh = q_seq + h * HEAD_DIM;
+                    __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(k)), s1 = _mm512_setzero_ps();
+                    for (int c = 1; c < HEAD_DIM / 16; ++c) {
+                        if (c % 2)
+                            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), _mm512_loadu_ps(k + 16 * c), s1);
+                        else
+                            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), _mm512_loadu_ps(k + 16 * c), s0);
+                    }
+                    part[h][t] = _mm512_add_ps(s0, s1);
+                }
+            }
+            const __mmask16 live = (__mmask16)((1u << count) - 1);
+            for (int64_t h = 0; h < heads; ++h) {
+                for (int64_t t = count; t < TOKEN_TILE; ++t)
+                    part[h][t] = _mm512_setzero_ps();
+                _mm512_mask_storeu_ps(probs + h * max_length + first, live,
+                                      _mm512_mul_ps(sum_lanes16(part[h]), _mm512_set1_ps(scale)));
+            }
+            memcpy(slots, next, sizeof slots);
+        }
+
+        softmax_rows(probs, heads, length, max_length);
+
+        /* weighted sum of values */
+        memset(acc, 0, sizeof(float) * (size_t)(heads * HEAD_DIM));
+        tile_slots(slots, table, 0, length < TOKEN_TILE ? length : TOKEN_TILE, block_size);
+        for (int64_t i = 0; i < tiles; ++i) {
+            const int64_t first = i * TOKEN_TILE, count = length - first < TOKEN_TILE ? length - first : TOKEN_TILE;
+            const int64_t later = length - first - count;
+            tile_slots(next, table, first + count, later < TOKEN_TILE ? later : TOKEN_TILE, block_size);
+            for (int64_t kh = 0; kh < kv_heads; ++kh) {
+                __m512 a[GROUP][HEAD_DIM / 16];
+                memcpy(a, acc + kh * GROUP * HEAD_DIM, sizeof a);
+                for (int64_t t = 0; t < count; ++t) {
+                    if (t < later)
+                        for (int64_t l = 0; l < head_lines; ++l)
+                            __builtin_prefetch((const char *)(v_cache + next[t] * slot_stride + kh * HEAD_DIM) + 64 * l,
+                                               0, 2);
+                    const float *v = v_cache + slots[t] * slot_stride + kh * HEAD_DIM;
+                    for (int g = 0; g < GROUP; ++g) {
+                        const __m512 w = _mm512_set1_ps(probs[(kh * GROUP + g) * max_length + first + t]);
+                        for (int c = 0; c < HEAD_DIM / 16; ++c)
+                            a[g][c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), a[g][c]);
+                    }
+                }
+                memcpy(acc + kh * GROUP * HEAD_DIM, a, sizeof a);
+            }
+            memcpy(slots, next, sizeof slots);
+        }
+        memcpy(out + seq * heads * HEAD_DIM, acc, sizeof(float) * (size_t)(heads * HEAD_DIM));
+    }
+    return 0;
+}
+#else
+/* paged_decode_f32 without AVX-512: rows read in place with the next ones prefetched. */
+static int paged_decode_f32_generic(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, const int64_t *tables,
                      int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
                      int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
                      float *out)
@@ -366,6 +489,16 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
     }
     return 0;
 }
+
+int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, const int64_t *tables,
+                     int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
+                     int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
+                     float *out)
+{
+    return paged_decode_f32_generic(q, q_stride, k_cache, v_cache, tables, max_blocks, lengths, n, kv_heads, group_arg,
+                                    head_dim_arg, block_size, max_length, scale, scratch, out);
+}
+#endif
 
 /* The same single-token attention over an int8 cache (kv_cache_dtype="int8"): K/V rows of int8 codes with
  * one fp32 scale per slot and KV head (`k_scale`, `v_scale`: [num_slots, kv_heads]), dequantised as they
