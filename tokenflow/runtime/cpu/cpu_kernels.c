@@ -191,124 +191,6 @@ static int paged_decode_widening_bf16(const uint16_t *q, int64_t q_stride, const
     return failed ? -2 : 0;
 }
 
-#if defined(__AVX512BF16__) && HEAD_DIM % 32 == 0
-/* The same attention with AVX512-BF16 dot products on the cache's bf16 rows (no widening, no staging):
- * scores as q . k over bf16 pairs, the weighted sum two tokens at a time (their value rows interleaved,
- * their bf16 probabilities as the pair of weights). Rows are read in place, the next ones prefetched so
- * that their misses overlap the arithmetic; about twice the widening kernel's speed. */
-#define PREFETCH_ROWS 16
-static int paged_decode_dot_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
-                      int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
-                      int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
-                      uint16_t *out)
-{
-    if (head_dim_arg != HEAD_DIM || group_arg != GROUP)
-        return -1;
-    const int64_t heads = kv_heads * GROUP, slot_stride = kv_heads * HEAD_DIM;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t seq = 0; seq < n; ++seq) {
-        const int64_t length = lengths[seq];
-        const int64_t *table = tables + seq * max_blocks;
-        float *probs = scratch + seq * heads * (2 * max_length + 2);  /* [heads, max_length] fp32 */
-        uint16_t *pb = (uint16_t *)(probs + heads * max_length); /* [heads, max_length + 1] bf16 */
-        const uint16_t *q_seq = q + seq * q_stride;
-
-        /* scores: q . k with bf16 dot products (fp32 sums), rounded to bf16, scaled */
-        for (int64_t t = 0; t < length; ++t) {
-            const int64_t slot = table[t / block_size] * block_size + t % block_size;
-            if (t + PREFETCH_ROWS < length) {
-                const int64_t ahead = table[(t + PREFETCH_ROWS) / block_size] * block_size + (t + PREFETCH_ROWS) % block_size;
-                const char *pk = (const char *)(k_cache + ahead * slot_stride);
-                const char *pv = (const char *)(v_cache + ahead * slot_stride);
-                for (int64_t c = 0; c < slot_stride * 2; c += 64) {
-                    __builtin_prefetch(pk + c, 0, 0);
-                    __builtin_prefetch(pv + c, 0, 1);
-                }
-            }
-            const uint16_t *krow = k_cache + slot * slot_stride;
-            for (int64_t kh = 0; kh < kv_heads; ++kh) {
-                __m512bh k[HEAD_DIM / 32];
-                for (int c = 0; c < HEAD_DIM / 32; ++c)
-                    k[c] = (__m512bh)_mm512_loadu_si512(krow + kh * HEAD_DIM + 32 * c);
-                for (int64_t g = 0; g < GROUP; ++g) {
-                    const uint16_t *qh = q_seq + (kh * GROUP + g) * HEAD_DIM;
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int c = 0; c < HEAD_DIM / 32; ++c)
-                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + 32 * c), k[c]);
-                    probs[(kh * GROUP + g) * max_length + t] = round_to_bf16(_mm512_reduce_add_ps(acc)) * scale;
-                }
-            }
-        }
-
-        /* softmax per query head, in fp32; probabilities rounded to bf16 (one zero past the end) */
-        for (int64_t h = 0; h < heads; ++h) {
-            float *p = probs + h * max_length;
-            uint16_t *ph = pb + h * (max_length + 1);
-            const float inv = 1.f / exp_minus_max(p, length);
-#pragma omp simd
-            for (int64_t t = 0; t < length; ++t)
-                ph[t] = float_to_bf16(p[t] * inv);
-            ph[length] = 0;
-        }
-
-        /* weighted sum of values, two tokens per bf16 dot product: their value rows interleaved */
-        for (int64_t kh = 0; kh < kv_heads; ++kh) {
-            __m512 acc[GROUP][HEAD_DIM / 16];
-            for (int g = 0; g < GROUP; ++g)
-                for (int c = 0; c < HEAD_DIM / 16; ++c)
-                    acc[g][c] = _mm512_setzero_ps();
-            for (int64_t t = 0; t < length; t += 2) {
-                const uint16_t *r0 = v_cache + (table[t / block_size] * block_size + t % block_size) * slot_stride + kh * HEAD_DIM;
-                const uint16_t *r1 = t + 1 < length
-                    ? v_cache + (table[(t + 1) / block_size] * block_size + (t + 1) % block_size) * slot_stride + kh * HEAD_DIM
-                    : r0; /* its weight is 0 */
-                for (int c = 0; c < HEAD_DIM / 32; ++c) {
-                    const __m512i a = _mm512_loadu_si512(r0 + 32 * c), b = _mm512_loadu_si512(r1 + 32 * c);
-                    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-                    for (int g = 0; g < GROUP; ++g) {
-                        const uint16_t *ph = pb + (kh * GROUP + g) * (max_length + 1) + t;
-                        const uint32_t pair = (uint32_t)ph[0] | ((uint32_t)ph[1] << 16);
-                        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
-                        acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], lo, w);
-                        acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], hi, w);
-                    }
-                }
-            }
-            /* lane 4L + j of acc[2c] holds x = 32c + 8L + j; of acc[2c + 1], x = 32c + 8L + 4 + j */
-            for (int g = 0; g < GROUP; ++g) {
-                uint16_t *o = out + (seq * heads + kh * GROUP + g) * HEAD_DIM;
-                for (int c = 0; c < HEAD_DIM / 32; ++c) {
-                    float lo[16], hi[16];
-                    _mm512_storeu_ps(lo, acc[g][2 * c]);
-                    _mm512_storeu_ps(hi, acc[g][2 * c + 1]);
-                    for (int L = 0; L < 4; ++L)
-                        for (int j = 0; j < 4; ++j) {
-                            o[32 * c + 8 * L + j] = float_to_bf16(lo[4 * L + j]);
-                            o[32 * c + 8 * L + 4 + j] = float_to_bf16(hi[4 * L + j]);
-                        }
-                }
-            }
-        }
-    }
-    return 0;
-}
-
-#endif
-
-int paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
-                      int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
-                      int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
-                      uint16_t *out)
-{
-#if defined(__AVX512BF16__) && HEAD_DIM % 32 == 0
-    return paged_decode_dot_bf16(q, q_stride, k_cache, v_cache, tables, max_blocks, lengths, n, kv_heads, group_arg,
-                                 head_dim_arg, block_size, max_length, scale, scratch, out);
-#else
-    return paged_decode_widening_bf16(q, q_stride, k_cache, v_cache, tables, max_blocks, lengths, n, kv_heads, group_arg,
-                                      head_dim_arg, block_size, max_length, scale, scratch, out);
-#endif
-}
-
 #if defined(__AVX512F__) && HEAD_DIM % 16 == 0
 #define TOKEN_TILE 16 /* keys per tile: one vector of scores */
 
@@ -341,7 +223,146 @@ static inline void tile_slots(int64_t slots[TOKEN_TILE], const int64_t *table, i
         }
     }
 }
+#endif
 
+#if defined(__AVX512BF16__) && HEAD_DIM % 32 == 0
+/* The same attention with AVX512-BF16 dot products on the cache's bf16 rows (no widening, no staging):
+ * scores as q . k over bf16 pairs, the weighted sum two tokens at a time (their value rows interleaved,
+ * their bf16 probabilities as the pair of weights). Keys go by tiles of 16 as in paged_decode_f32: rows
+ * read front to back with the next tile's fetched meanwhile, each dot product a vector of partial sums
+ * reduced 16 at a time. */
+static int paged_decode_dot_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
+                      int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
+                      int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
+                      uint16_t *out)
+{
+    if (head_dim_arg != HEAD_DIM || group_arg != GROUP)
+        return -1;
+    const int64_t heads = kv_heads * GROUP, slot_stride = kv_heads * HEAD_DIM;
+    const int64_t row_lines = slot_stride * 2 / 64, head_lines = HEAD_DIM * 2 / 64;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t seq = 0; seq < n; ++seq) {
+        const int64_t length = lengths[seq], tiles = (length + TOKEN_TILE - 1) / TOKEN_TILE;
+        const int64_t *table = tables + seq * max_blocks;
+        float *probs = scratch + seq * heads * (2 * max_length + 2 + HEAD_DIM); /* [heads, max_length] fp32 */
+        uint16_t *pb = (uint16_t *)(probs + heads * max_length);                /* [heads, max_length + 1] bf16 */
+        float *acc = probs + heads * (max_length + (max_length + 2) / 2);       /* [heads, HEAD_DIM] */
+        const uint16_t *q_seq = q + seq * q_stride;
+        __m512 part[heads][TOKEN_TILE];
+        int64_t slots[TOKEN_TILE], next[TOKEN_TILE];
+
+        /* scores: q . k with bf16 dot products (fp32 sums), rounded to bf16, scaled */
+        tile_slots(slots, table, 0, length < TOKEN_TILE ? length : TOKEN_TILE, block_size);
+        for (int64_t i = 0; i < tiles; ++i) {
+            const int64_t first = i * TOKEN_TILE, count = length - first < TOKEN_TILE ? length - first : TOKEN_TILE;
+            const int64_t later = length - first - count;
+            tile_slots(next, table, first + count, later < TOKEN_TILE ? later : TOKEN_TILE, block_size);
+            for (int64_t t = 0; t < count; ++t) {
+                if (t < later)
+                    for (int64_t l = 0; l < row_lines; ++l)
+                        __builtin_prefetch((const char *)(k_cache + next[t] * slot_stride) + 64 * l, 0, 2);
+                const uint16_t *krow = k_cache + slots[t] * slot_stride;
+                for (int64_t kh = 0; kh < kv_heads; ++kh) {
+                    __m512bh k[HEAD_DIM / 32];
+                    for (int c = 0; c < HEAD_DIM / 32; ++c)
+                        k[c] = (__m512bh)_mm512_loadu_si512(krow + kh * HEAD_DIM + 32 * c);
+                    for (int64_t g = 0; g < GROUP; ++g) {
+                        const uint16_t *qh = q_seq + (kh * GROUP + g) * HEAD_DIM;
+                        __m512 dot = _mm512_setzero_ps();
+                        for (int c = 0; c < HEAD_DIM / 32; ++c)
+                            dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qh + 32 * c), k[c]);
+                        part[kh * GROUP + g][t] = dot;
+                    }
+                }
+            }
+            for (int64_t h = 0; h < heads; ++h) {
+                for (int64_t t = count; t < TOKEN_TILE; ++t)
+                    part[h][t] = _mm512_setzero_ps();
+                float sums[TOKEN_TILE] __attribute__((aligned(64)));
+                _mm512_store_ps(sums, sum_lanes16(part[h]));
+                for (int64_t t = 0; t < count; ++t)
+                    probs[h * max_length + first + t] = round_to_bf16(sums[t]) * scale;
+            }
+            memcpy(slots, next, sizeof slots);
+        }
+
+        /* softmax per query head, in fp32; probabilities rounded to bf16 (one zero past the end) */
+        for (int64_t h = 0; h < heads; ++h) {
+            float *p = probs + h * max_length;
+            uint16_t *ph = pb + h * (max_length + 1);
+            const float inv = 1.f / exp_minus_max(p, length);
+#pragma omp simd
+            for (int64_t t = 0; t < length; ++t)
+                ph[t] = float_to_bf16(p[t] * inv);
+            ph[length] = 0;
+        }
+
+        /* weighted sum of values, two tokens per bf16 dot product: their value rows interleaved */
+        memset(acc, 0, sizeof(float) * (size_t)(heads * HEAD_DIM));
+        tile_slots(slots, table, 0, length < TOKEN_TILE ? length : TOKEN_TILE, block_size);
+        for (int64_t i = 0; i < tiles; ++i) {
+            const int64_t first = i * TOKEN_TILE, count = length - first < TOKEN_TILE ? length - first : TOKEN_TILE;
+            const int64_t later = length - first - count;
+            tile_slots(next, table, first + count, later < TOKEN_TILE ? later : TOKEN_TILE, block_size);
+            for (int64_t kh = 0; kh < kv_heads; ++kh) {
+                __m512 a[GROUP][HEAD_DIM / 16];
+                memcpy(a, acc + kh * GROUP * HEAD_DIM, sizeof a);
+                for (int64_t t = 0; t < count; t += 2) {
+                    for (int64_t u = t; u < t + 2 && u < later; ++u)
+                        for (int64_t l = 0; l < head_lines; ++l)
+                            __builtin_prefetch((const char *)(v_cache + next[u] * slot_stride + kh * HEAD_DIM) + 64 * l,
+                                               0, 2);
+                    const uint16_t *r0 = v_cache + slots[t] * slot_stride + kh * HEAD_DIM;
+                    const uint16_t *r1 = t + 1 < count ? v_cache + slots[t + 1] * slot_stride + kh * HEAD_DIM
+                                                       : r0; /* past the end: its weight is 0 */
+                    for (int c = 0; c < HEAD_DIM / 32; ++c) {
+                        const __m512i x = _mm512_loadu_si512(r0 + 32 * c), y = _mm512_loadu_si512(r1 + 32 * c);
+                        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+                        for (int g = 0; g < GROUP; ++g) {
+                            const uint16_t *ph = pb + (kh * GROUP + g) * (max_length + 1) + first + t;
+                            const uint32_t pair = (uint32_t)ph[0] | ((uint32_t)ph[1] << 16);
+                            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+                            a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], lo, w);
+                            a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], hi, w);
+                        }
+                    }
+                }
+                memcpy(acc + kh * GROUP * HEAD_DIM, a, sizeof a);
+            }
+            memcpy(slots, next, sizeof slots);
+        }
+        /* lane 4L + j of a[g][2c] holds x = 32c + 8L + j; of a[g][2c + 1], x = 32c + 8L + 4 + j */
+        for (int64_t h = 0; h < heads; ++h) {
+            const float *a = acc + h * HEAD_DIM;
+            uint16_t *o = out + (seq * heads + h) * HEAD_DIM;
+            for (int c = 0; c < HEAD_DIM / 32; ++c)
+                for (int L = 0; L < 4; ++L)
+                    for (int j = 0; j < 4; ++j) {
+                        o[32 * c + 8 * L + j] = float_to_bf16(a[32 * c + 4 * L + j]);
+                        o[32 * c + 8 * L + 4 + j] = float_to_bf16(a[32 * c + 16 + 4 * L + j]);
+                    }
+        }
+    }
+    return 0;
+}
+
+#endif
+
+int paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
+                      int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
+                      int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
+                      uint16_t *out)
+{
+#if defined(__AVX512BF16__) && HEAD_DIM % 32 == 0
+    return paged_decode_dot_bf16(q, q_stride, k_cache, v_cache, tables, max_blocks, lengths, n, kv_heads, group_arg,
+                                 head_dim_arg, block_size, max_length, scale, scratch, out);
+#else
+    return paged_decode_widening_bf16(q, q_stride, k_cache, v_cache, tables, max_blocks, lengths, n, kv_heads, group_arg,
+                                      head_dim_arg, block_size, max_length, scale, scratch, out);
+#endif
+}
+
+#if defined(__AVX512F__) && HEAD_DIM % 16 == 0
 /* The same single-token attention in fp32 (fp32 caches and queries, no rounding, exact softmax).
  * scratch [n, heads * (max_length + HEAD_DIM)] fp32. Keys go by tiles of 16. The scores pass reads each
  * tile's rows front to back, all heads of a row together, each dot product left as a vector of partial
