@@ -156,6 +156,59 @@ def test_fp32_kernel_matches_sdpa(kv_heads: int, group: int, head_dim: int, bloc
 
 
 @needs_compiler
+@pytest.mark.parametrize("sharpness", [8.0, 40.0])
+def test_fp32_kernels_keep_sharp_softmaxes_as_exact_as_fp32_ops(sharpness: float) -> None:
+    """Scores up to hundreds apart (queries scaled up): the kernels' exponentials keep the softmax as
+    exact as the same attention in fp32 torch ops, measured against fp64."""
+    batch = PagedBatch([1, 17, 200, 333], 3, 3, 64, 16, dtype=torch.float32)
+    batch.q *= sharpness
+    exact = batch.exact()
+    fp32 = torch.empty_like(batch.q)
+    for i, length in enumerate(batch.lengths):  # the fp64 reference's arithmetic, in fp32
+        slots = torch.tensor([int(batch.tables[i, t // 16]) * 16 + t % 16 for t in range(length)])
+        k, v = batch.k[slots].transpose(0, 1), batch.v[slots].transpose(0, 1)
+        fp32[i] = torch.softmax(batch.q[i] @ k.transpose(1, 2) * batch.scale, dim=-1) @ v
+    ops_error = (fp32.double() - exact).abs().max().item()
+    assert (batch.native().double() - exact).abs().max().item() <= 2 * ops_error + 1e-6
+
+    kernels = load_native_kernels(64, 3)
+    assert kernels is not None
+    q = torch.randn(200, 9, 64, generator=torch.Generator().manual_seed(3)) * sharpness
+    table = batch.tables[2]
+    slots = torch.tensor([int(table[j // 16]) * 16 + j % 16 for j in range(200)])
+    k, v = batch.k[slots].transpose(0, 1)[:, None], batch.v[slots].transpose(0, 1)[:, None]  # [KVH, 1, L, D]
+    qh = q.view(200, 3, 3, 64).permute(1, 2, 0, 3)  # [KVH, G, t, D]
+    mask = torch.full((200, 200), float("-inf")).triu_(1)
+    exact = torch.softmax(qh.double() @ k.double().transpose(-1, -2) * batch.scale + mask, -1) @ v.double()
+    sdpa = torch.nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=batch.scale)
+    native = kernels.prefill(q, batch.k, batch.v, table, 16, 0, batch.scale).view(200, 3, 3, 64).permute(1, 2, 0, 3)
+    assert (native.double() - exact).abs().max().item() <= 2 * (sdpa.double() - exact).abs().max().item() + 1e-6
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_a_nan_query_gives_nan_attention_and_only_there(dtype: torch.dtype) -> None:
+    """A NaN in one query (a numerical fault upstream) shows in that head's output, not masked into a
+    plausible softmax; the other heads and sequences are untouched."""
+    batch = PagedBatch([40, 70], 3, 3, 64, 16, dtype=dtype)
+    clean = batch.native()
+    batch.q[0, 1, 2, 5] = float("nan")
+    faulty = batch.native()
+    assert torch.isnan(faulty[0, 1, 2]).all()
+    keep = torch.ones(faulty.shape, dtype=torch.bool)
+    keep[0, 1, 2] = False
+    assert torch.equal(faulty[keep], clean[keep])
+    kernels = load_native_kernels(64, 3)
+    assert kernels is not None
+    if dtype in kernels.prefill_dtypes:
+        q = torch.randn(40, 9, 64).to(dtype)
+        q[7, 4, 0] = float("nan")
+        out = kernels.prefill(q, batch.k, batch.v, batch.tables[0], 16, 0, batch.scale)
+        assert torch.isnan(out[7, 4]).all() and torch.isfinite(out[:7]).all()
+        assert torch.isfinite(out[7, :4]).all() and torch.isfinite(out[7, 5:]).all()
+
+
+@needs_compiler
 @pytest.mark.parametrize(
     ("kv_heads", "group", "head_dim", "scale"), [(3, 3, 64, None), (2, 4, 128, None), (1, 2, 80, 0.3)]
 )

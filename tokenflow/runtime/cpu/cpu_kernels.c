@@ -43,6 +43,46 @@
 #endif
 
 
+#if defined(__AVX512F__)
+/* exp of 16 floats, inline (no libmvec call per vector): 2^k * e^r with k = round(x / ln 2),
+ * |r| <= ln(2) / 2, e^r by its degree-7 Taylor polynomial (error about 5e-9 relative, under fp32's
+ * rounding). Inputs below -87.3 give e^-87.3 (~1e-38), which a softmax sum cannot tell from 0; NaN stays NaN. */
+static inline __m512 exp16(__m512 x)
+{
+    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x); /* a NaN x is the result (max returns its second operand) */
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), x); /* ln 2 in two parts: r exact */
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-06f), r);
+    __m512 e = _mm512_set1_ps(1.f / 5040.f);
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 720.f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 120.f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 24.f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 6.f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(e, k);
+}
+
+/* Softmax's middle, in place on `n` scores: subtract their max, exponentiate; returns the sum. */
+static inline float exp_minus_max(float *s, int64_t n)
+{
+    __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, s + j));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), m));
+        _mm512_mask_storeu_ps(s + j, live, e);
+        sum = _mm512_mask_add_ps(sum, live, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+#else
 /* Softmax's middle, in place on `n` scores: subtract their max, exponentiate; returns the sum. */
 static inline float exp_minus_max(float *s, int64_t n)
 {
@@ -57,6 +97,7 @@ static inline float exp_minus_max(float *s, int64_t n)
     }
     return sum;
 }
+#endif
 
 /* In place: softmax over the first `length` scores of each of `rows` rows spaced `stride` apart. */
 static inline void softmax_rows(float *scores, int64_t rows, int64_t length, int64_t stride)
