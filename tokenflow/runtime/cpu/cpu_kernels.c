@@ -251,10 +251,13 @@ static inline __m512 sum_lanes16(const __m512 v[TOKEN_TILE])
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-/* The cache slots of keys first .. first + count - 1 (count <= TOKEN_TILE); the rest repeat the last. */
+/* The cache slots of keys first .. first + count - 1 (count <= TOKEN_TILE); the rest repeat the last.
+ * count 0 reads nothing. */
 static inline void tile_slots(int64_t slots[TOKEN_TILE], const int64_t *table, int64_t first, int64_t count,
                               int64_t block_size)
 {
+    if (count <= 0)
+        return;
     int64_t block = first / block_size, offset = first % block_size;
     for (int64_t t = 0; t < TOKEN_TILE; ++t) {
         slots[t] = table[block] * block_size + offset;
@@ -263,6 +266,37 @@ static inline void tile_slots(int64_t slots[TOKEN_TILE], const int64_t *table, i
             ++block;
         }
     }
+}
+
+/* A walk over one sequence's keys by tiles of TOKEN_TILE: the tile's cache slots, and the next tile's,
+ * for the prefetches issued while this one is read. */
+typedef struct {
+    const int64_t *table;
+    int64_t length, block_size;
+    int64_t first, count, later; /* the tile's first key, its keys, the keys past it */
+    int64_t slots[TOKEN_TILE], next[TOKEN_TILE];
+} KeyTiles;
+
+static inline void key_tiles_at(KeyTiles *w, int64_t first)
+{
+    w->first = first;
+    w->count = w->length - first < TOKEN_TILE ? w->length - first : TOKEN_TILE;
+    w->later = w->length - first - w->count;
+    tile_slots(w->next, w->table, first + w->count, w->later < TOKEN_TILE ? w->later : TOKEN_TILE, w->block_size);
+}
+
+static inline KeyTiles key_tiles(const int64_t *table, int64_t length, int64_t block_size)
+{
+    KeyTiles w = {.table = table, .length = length, .block_size = block_size};
+    tile_slots(w.slots, table, 0, length < TOKEN_TILE ? length : TOKEN_TILE, block_size);
+    key_tiles_at(&w, 0);
+    return w;
+}
+
+static inline void key_tiles_advance(KeyTiles *w)
+{
+    memcpy(w->slots, w->next, sizeof w->slots);
+    key_tiles_at(w, w->first + w->count);
 }
 #endif
 
@@ -283,21 +317,18 @@ static int paged_decode_dot_bf16(const uint16_t *q, int64_t q_stride, const uint
     const int64_t row_lines = slot_stride * 2 / 64, head_lines = HEAD_DIM * 2 / 64;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t seq = 0; seq < n; ++seq) {
-        const int64_t length = lengths[seq], tiles = (length + TOKEN_TILE - 1) / TOKEN_TILE;
+        const int64_t length = lengths[seq];
         const int64_t *table = tables + seq * max_blocks;
         float *probs = scratch + seq * heads * (2 * max_length + 2 + HEAD_DIM); /* [heads, max_length] fp32 */
         uint16_t *pb = (uint16_t *)(probs + heads * max_length);                /* [heads, max_length + 1] bf16 */
         float *acc = probs + heads * (max_length + (max_length + 2) / 2);       /* [heads, HEAD_DIM] */
         const uint16_t *q_seq = q + seq * q_stride;
         __m512 part[heads][TOKEN_TILE];
-        int64_t slots[TOKEN_TILE], next[TOKEN_TILE];
 
         /* scores: q . k with bf16 dot products (fp32 sums), rounded to bf16, scaled */
-        tile_slots(slots, table, 0, length < TOKEN_TILE ? length : TOKEN_TILE, block_size);
-        for (int64_t i = 0; i < tiles; ++i) {
-            const int64_t first = i * TOKEN_TILE, count = length - first < TOKEN_TILE ? length - first : TOKEN_TILE;
-            const int64_t later = length - first - count;
-            tile_slots(next, table, first + count, later < TOKEN_TILE ? later : TOKEN_TILE, block_size);
+        for (KeyTiles w = key_tiles(table, length, block_size); w.count > 0; key_tiles_advance(&w)) {
+            const int64_t first = w.first, count = w.count, later = w.later;
+            const int64_t *slots = w.slots, *next = w.next;
             for (int64_t t = 0; t < count; ++t) {
                 if (t < later)
                     for (int64_t l = 0; l < row_lines; ++l)
@@ -324,7 +355,6 @@ static int paged_decode_dot_bf16(const uint16_t *q, int64_t q_stride, const uint
                 for (int64_t t = 0; t < count; ++t)
                     probs[h * max_length + first + t] = round_to_bf16(sums[t]) * scale;
             }
-            memcpy(slots, next, sizeof slots);
         }
 
         /* softmax per query head, in fp32; probabilities rounded to bf16 (one zero past the end) */
@@ -340,11 +370,9 @@ static int paged_decode_dot_bf16(const uint16_t *q, int64_t q_stride, const uint
 
         /* weighted sum of values, two tokens per bf16 dot product: their value rows interleaved */
         memset(acc, 0, sizeof(float) * (size_t)(heads * HEAD_DIM));
-        tile_slots(slots, table, 0, length < TOKEN_TILE ? length : TOKEN_TILE, block_size);
-        for (int64_t i = 0; i < tiles; ++i) {
-            const int64_t first = i * TOKEN_TILE, count = length - first < TOKEN_TILE ? length - first : TOKEN_TILE;
-            const int64_t later = length - first - count;
-            tile_slots(next, table, first + count, later < TOKEN_TILE ? later : TOKEN_TILE, block_size);
+        for (KeyTiles w = key_tiles(table, length, block_size); w.count > 0; key_tiles_advance(&w)) {
+            const int64_t first = w.first, count = w.count, later = w.later;
+            const int64_t *slots = w.slots, *next = w.next;
             for (int64_t kh = 0; kh < kv_heads; ++kh) {
                 __m512 a[GROUP][HEAD_DIM / 16];
                 memcpy(a, acc + kh * GROUP * HEAD_DIM, sizeof a);
@@ -370,7 +398,6 @@ static int paged_decode_dot_bf16(const uint16_t *q, int64_t q_stride, const uint
                 }
                 memcpy(acc + kh * GROUP * HEAD_DIM, a, sizeof a);
             }
-            memcpy(slots, next, sizeof slots);
         }
         /* lane 4L + j of a[g][2c] holds x = 32c + 8L + j; of a[g][2c + 1], x = 32c + 8L + 4 + j */
         for (int64_t h = 0; h < heads; ++h) {
@@ -422,20 +449,17 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
     const int64_t row_lines = slot_stride * 4 / 64, head_lines = HEAD_DIM * 4 / 64;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t seq = 0; seq < n; ++seq) {
-        const int64_t length = lengths[seq], tiles = (length + TOKEN_TILE - 1) / TOKEN_TILE;
+        const int64_t length = lengths[seq];
         const int64_t *table = tables + seq * max_blocks;
         float *probs = scratch + seq * heads * (max_length + HEAD_DIM); /* [heads, max_length] */
         float *acc = probs + heads * max_length;                         /* [heads, HEAD_DIM] */
         const float *q_seq = q + seq * q_stride;
         __m512 part[heads][TOKEN_TILE];
-        int64_t slots[TOKEN_TILE], next[TOKEN_TILE];
 
         /* scores */
-        tile_slots(slots, table, 0, length < TOKEN_TILE ? length : TOKEN_TILE, block_size);
-        for (int64_t i = 0; i < tiles; ++i) {
-            const int64_t first = i * TOKEN_TILE, count = length - first < TOKEN_TILE ? length - first : TOKEN_TILE;
-            const int64_t later = length - first - count; /* keys past this tile */
-            tile_slots(next, table, first + count, later < TOKEN_TILE ? later : TOKEN_TILE, block_size);
+        for (KeyTiles w = key_tiles(table, length, block_size); w.count > 0; key_tiles_advance(&w)) {
+            const int64_t first = w.first, count = w.count, later = w.later;
+            const int64_t *slots = w.slots, *next = w.next;
             for (int64_t t = 0; t < count; ++t) {
                 if (t < later)
                     for (int64_t l = 0; l < row_lines; ++l)
@@ -460,18 +484,15 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
                 _mm512_mask_storeu_ps(probs + h * max_length + first, live,
                                       _mm512_mul_ps(sum_lanes16(part[h]), _mm512_set1_ps(scale)));
             }
-            memcpy(slots, next, sizeof slots);
         }
 
         softmax_rows(probs, heads, length, max_length);
 
         /* weighted sum of values */
         memset(acc, 0, sizeof(float) * (size_t)(heads * HEAD_DIM));
-        tile_slots(slots, table, 0, length < TOKEN_TILE ? length : TOKEN_TILE, block_size);
-        for (int64_t i = 0; i < tiles; ++i) {
-            const int64_t first = i * TOKEN_TILE, count = length - first < TOKEN_TILE ? length - first : TOKEN_TILE;
-            const int64_t later = length - first - count;
-            tile_slots(next, table, first + count, later < TOKEN_TILE ? later : TOKEN_TILE, block_size);
+        for (KeyTiles w = key_tiles(table, length, block_size); w.count > 0; key_tiles_advance(&w)) {
+            const int64_t first = w.first, count = w.count, later = w.later;
+            const int64_t *slots = w.slots, *next = w.next;
             for (int64_t kh = 0; kh < kv_heads; ++kh) {
                 __m512 a[GROUP][HEAD_DIM / 16];
                 memcpy(a, acc + kh * GROUP * HEAD_DIM, sizeof a);
@@ -489,7 +510,6 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
                 }
                 memcpy(acc + kh * GROUP * HEAD_DIM, a, sizeof a);
             }
-            memcpy(slots, next, sizeof slots);
         }
         memcpy(out + seq * heads * HEAD_DIM, acc, sizeof(float) * (size_t)(heads * HEAD_DIM));
     }
