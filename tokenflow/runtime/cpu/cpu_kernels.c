@@ -268,6 +268,13 @@ static inline void tile_slots(int64_t slots[TOKEN_TILE], const int64_t *table, i
     }
 }
 
+/* Fetch `lines` cache lines from `at` into L2 ahead of their use. */
+static inline void prefetch_lines(const void *at, int64_t lines)
+{
+    for (int64_t l = 0; l < lines; ++l)
+        __builtin_prefetch((const char *)at + 64 * l, 0, 2);
+}
+
 /* A walk over one sequence's keys by tiles of TOKEN_TILE: the tile's cache slots, and the next tile's,
  * for the prefetches issued while this one is read. */
 typedef struct {
@@ -331,8 +338,7 @@ static int paged_decode_dot_bf16(const uint16_t *q, int64_t q_stride, const uint
             const int64_t *slots = w.slots, *next = w.next;
             for (int64_t t = 0; t < count; ++t) {
                 if (t < later)
-                    for (int64_t l = 0; l < row_lines; ++l)
-                        __builtin_prefetch((const char *)(k_cache + next[t] * slot_stride) + 64 * l, 0, 2);
+                    prefetch_lines(k_cache + next[t] * slot_stride, row_lines);
                 const uint16_t *krow = k_cache + slots[t] * slot_stride;
                 for (int64_t kh = 0; kh < kv_heads; ++kh) {
                     __m512bh k[HEAD_DIM / 32];
@@ -378,9 +384,7 @@ static int paged_decode_dot_bf16(const uint16_t *q, int64_t q_stride, const uint
                 memcpy(a, acc + kh * GROUP * HEAD_DIM, sizeof a);
                 for (int64_t t = 0; t < count; t += 2) {
                     for (int64_t u = t; u < t + 2 && u < later; ++u)
-                        for (int64_t l = 0; l < head_lines; ++l)
-                            __builtin_prefetch((const char *)(v_cache + next[u] * slot_stride + kh * HEAD_DIM) + 64 * l,
-                                               0, 2);
+                        prefetch_lines(v_cache + next[u] * slot_stride + kh * HEAD_DIM, head_lines);
                     const uint16_t *r0 = v_cache + slots[t] * slot_stride + kh * HEAD_DIM;
                     const uint16_t *r1 = t + 1 < count ? v_cache + slots[t + 1] * slot_stride + kh * HEAD_DIM
                                                        : r0; /* past the end: its weight is 0 */
@@ -462,8 +466,7 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
             const int64_t *slots = w.slots, *next = w.next;
             for (int64_t t = 0; t < count; ++t) {
                 if (t < later)
-                    for (int64_t l = 0; l < row_lines; ++l)
-                        __builtin_prefetch((const char *)(k_cache + next[t] * slot_stride) + 64 * l, 0, 2);
+                    prefetch_lines(k_cache + next[t] * slot_stride, row_lines);
                 const float *krow = k_cache + slots[t] * slot_stride;
                 for (int64_t h = 0; h < heads; ++h) {
                     const float *k = krow + (h / GROUP) * HEAD_DIM, *qh = q_seq + h * HEAD_DIM;
@@ -498,9 +501,7 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
                 memcpy(a, acc + kh * GROUP * HEAD_DIM, sizeof a);
                 for (int64_t t = 0; t < count; ++t) {
                     if (t < later)
-                        for (int64_t l = 0; l < head_lines; ++l)
-                            __builtin_prefetch((const char *)(v_cache + next[t] * slot_stride + kh * HEAD_DIM) + 64 * l,
-                                               0, 2);
+                        prefetch_lines(v_cache + next[t] * slot_stride + kh * HEAD_DIM, head_lines);
                     const float *v = v_cache + slots[t] * slot_stride + kh * HEAD_DIM;
                     for (int g = 0; g < GROUP; ++g) {
                         const __m512 w = _mm512_set1_ps(probs[(kh * GROUP + g) * max_length + first + t]);
