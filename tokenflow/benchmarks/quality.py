@@ -25,6 +25,8 @@ from typing import Any
 
 import anyio
 
+from tokenflow.kv.prefix_cache import common_prefix
+
 __all__ = ("VARIANTS", "add_arguments", "common_prefix", "run_bench_quality")
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -43,16 +45,6 @@ QUESTIONS = (
     "Write a Python one-liner that reverses a string.", "What is the boiling point of water in Fahrenheit?",
     "Suggest a name for a bakery.", "Why do we need sleep?",
 )
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 async def _measure(model: str | None, settings: dict[str, Any], windows: list[list[int]], max_tokens: int

@@ -252,9 +252,7 @@ class KVCache:
                 if scales is not None:
                     scales[block_id].copy_(data[layer, i, ..., d:].contiguous().view(torch.float32).squeeze(-1))
             if self.track_key_bounds:
-                keys = self.gather(layer, torch.tensor([block_id], device=self.device))[0][0]
-                self.k_min[layer][block_id] = keys.amin(0)
-                self.k_max[layer][block_id] = keys.amax(0)
+                self._set_key_bounds(layer, block_id, self.block_size)
 
     def copy_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
         """Copy the first `num_rows` slots of `src_block` into `dst_block`, every layer, K and V (int8:
@@ -269,9 +267,13 @@ class KVCache:
                 if scales is not None:
                     scales[dst_block, :num_rows].copy_(scales[src_block, :num_rows])
             if self.track_key_bounds:
-                keys = self.gather(layer, torch.tensor([dst_block], device=self.device))[0][0, :num_rows]
-                self.k_min[layer][dst_block] = keys.amin(0)
-                self.k_max[layer][dst_block] = keys.amax(0)
+                self._set_key_bounds(layer, dst_block, num_rows)
+
+    def _set_key_bounds(self, layer: int, block_id: int, num_rows: int) -> None:
+        """The topk bounds of a block whose first `num_rows` keys were just written whole."""
+        keys = self.gather(layer, torch.tensor([block_id], device=self.device))[0][0, :num_rows]
+        self.k_min[layer][block_id] = keys.amin(0)
+        self.k_max[layer][block_id] = keys.amax(0)
 
     def _stores(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
         """(values, scales or None) of K then V in `layer`."""

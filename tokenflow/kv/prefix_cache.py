@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenflow.kv.block_hash import BlockKey, block_keys, prefix_root
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from tokenflow.kv.kv_cache import KVCache
     from tokenflow.request import Request
 
-__all__ = ("PrefixCache", "TokenPool", "create")
+__all__ = ("PrefixCache", "TokenPool", "common_prefix", "create")
 
 log = logging.getLogger("tokenflow")
 
@@ -200,7 +200,7 @@ class PrefixCache(BlockPool):
         i = bisect.bisect_left(siblings, (wanted,))
         best: tuple[int, int] | None = None
         for tokens, block in siblings[max(i - 1, 0):i + 1]:
-            shared = _common_start(tokens, wanted)
+            shared = common_prefix(tokens, wanted)
             if shared and (best is None or shared > best[1]):
                 best = (block, shared)
         return best
@@ -336,7 +336,7 @@ class PrefixCache(BlockPool):
 TokenPool = PrefixCache  # the old name
 
 
-def _common_start(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` share."""
     n = 0
     for x, y in zip(a, b, strict=False):

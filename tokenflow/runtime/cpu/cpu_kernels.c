@@ -235,9 +235,12 @@ static int paged_decode_widening_bf16(const uint16_t *q, int64_t q_stride, const
 #if defined(__AVX512F__) && HEAD_DIM % 16 == 0
 #define TOKEN_TILE 16 /* keys per tile: one vector of scores */
 
-/* Lane t of the result: the sum of v[t]'s 16 lanes (16 dot products' partial vectors, reduced together). */
-static inline __m512 sum_lanes16(const __m512 v[TOKEN_TILE])
+/* Lane t of the result: the sum of v[t]'s 16 lanes (a tile's dot products, each a vector of partial sums,
+ * reduced together); lanes `count` and up are 0 (v[t] past `count` is set to 0). */
+static inline __m512 tile_sums(__m512 v[TOKEN_TILE], int64_t count)
 {
+    for (int64_t t = count; t < TOKEN_TILE; ++t)
+        v[t] = _mm512_setzero_ps();
     __m512 a[8], b[4], c[2];
     for (int i = 0; i < 8; ++i)
         a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -251,21 +254,12 @@ static inline __m512 sum_lanes16(const __m512 v[TOKEN_TILE])
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-/* The cache slots of keys first .. first + count - 1 (count <= TOKEN_TILE); the rest repeat the last.
- * count 0 reads nothing. */
+/* The cache slots of keys first .. first + count - 1 (count <= TOKEN_TILE; 0 reads no table entry). */
 static inline void tile_slots(int64_t slots[TOKEN_TILE], const int64_t *table, int64_t first, int64_t count,
                               int64_t block_size)
 {
-    if (count <= 0)
-        return;
-    int64_t block = first / block_size, offset = first % block_size;
-    for (int64_t t = 0; t < TOKEN_TILE; ++t) {
-        slots[t] = table[block] * block_size + offset;
-        if (t + 1 < count && ++offset == block_size) {
-            offset = 0;
-            ++block;
-        }
-    }
+    for (int64_t t = 0; t < count; ++t)
+        slots[t] = table[(first + t) / block_size] * block_size + (first + t) % block_size;
 }
 
 /* Fetch `lines` cache lines from `at` into L2 ahead of their use. */
@@ -354,10 +348,8 @@ static int paged_decode_dot_bf16(const uint16_t *q, int64_t q_stride, const uint
                 }
             }
             for (int64_t h = 0; h < heads; ++h) {
-                for (int64_t t = count; t < TOKEN_TILE; ++t)
-                    part[h][t] = _mm512_setzero_ps();
                 float sums[TOKEN_TILE] __attribute__((aligned(64)));
-                _mm512_store_ps(sums, sum_lanes16(part[h]));
+                _mm512_store_ps(sums, tile_sums(part[h], count));
                 for (int64_t t = 0; t < count; ++t)
                     probs[h * max_length + first + t] = round_to_bf16(sums[t]) * scale;
             }
@@ -481,12 +473,9 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
                 }
             }
             const __mmask16 live = (__mmask16)((1u << count) - 1);
-            for (int64_t h = 0; h < heads; ++h) {
-                for (int64_t t = count; t < TOKEN_TILE; ++t)
-                    part[h][t] = _mm512_setzero_ps();
+            for (int64_t h = 0; h < heads; ++h)
                 _mm512_mask_storeu_ps(probs + h * max_length + first, live,
-                                      _mm512_mul_ps(sum_lanes16(part[h]), _mm512_set1_ps(scale)));
-            }
+                                      _mm512_mul_ps(tile_sums(part[h], count), _mm512_set1_ps(scale)));
         }
 
         softmax_rows(probs, heads, length, max_length);
@@ -518,7 +507,7 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, con
 }
 #else
 /* paged_decode_f32 without AVX-512: rows read in place with the next ones prefetched. */
-static int paged_decode_f32_generic(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, const int64_t *tables,
+int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, const int64_t *tables,
                      int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
                      int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
                      float *out)
@@ -573,14 +562,6 @@ static int paged_decode_f32_generic(const float *q, int64_t q_stride, const floa
     return 0;
 }
 
-int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, const int64_t *tables,
-                     int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,
-                     int64_t head_dim_arg, int64_t block_size, int64_t max_length, float scale, float *scratch,
-                     float *out)
-{
-    return paged_decode_f32_generic(q, q_stride, k_cache, v_cache, tables, max_blocks, lengths, n, kv_heads, group_arg,
-                                    head_dim_arg, block_size, max_length, scale, scratch, out);
-}
 #endif
 
 /* The same single-token attention over an int8 cache (kv_cache_dtype="int8"): K/V rows of int8 codes with
