@@ -159,3 +159,46 @@ async def test_speculative_greedy_on_the_real_model(real_model, real_hf_model) -
         gap = (lp[ref[j]] - lp[result.token_ids[j]]).item()
         assert gap < 0.1, f"prompt {i}: diverged at {j} with a logprob gap of {gap:.3f}"
     assert identical >= len(prompts) - 1, f"only {identical}/{len(prompts)} identical"
+
+
+async def test_greedy_head_steps_give_the_logits_tokens(real_model, real_hf_model) -> None:
+    """Greedy requests without logprobs, 8 at a time: their steps take the greedy head (bf16 estimates
+    settled by fp32 logits) and give the very tokens of the fp32 logits' argmax, and transformers' greedy
+    tokens; a request asking for logprobs beside them sends its steps through the sampler."""
+    from tokenflow.benchmarks.throughput import make_workload
+
+    model, tokenizer = real_hf_model
+    prompts = make_workload(tokenizer, 8, 20, 400, seed=5)
+    max_new = 24
+
+    async def run(greedy_head: bool, with_logprobs: bool) -> tuple[list[list[int]], int]:
+        async with Engine(real_model, max_num_seqs=8) as engine:
+            fused = engine._loop.backend.runner.fused
+            if fused.greedy_head is None:
+                pytest.skip("no greedy head on this CPU (it needs AVX512-BF16)")
+            if not greedy_head:
+                fused.greedy_head = None
+            results: dict[int, list[int]] = {}
+
+            async def one(i: int) -> None:
+                logprobs = 2 if with_logprobs and i == 0 else None
+                done = await engine.generate(prompts[i], max_tokens=max_new, temperature=0.0, logprobs=logprobs)
+                results[i] = done.token_ids
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+            return [results[i] for i in range(len(prompts))], engine.stats()["num_greedy_head_steps"]
+
+    tokens, greedy_steps = await run(greedy_head=True, with_logprobs=False)
+    assert greedy_steps >= max_new - 1  # every step that samples only greedy rows
+    logits_tokens, none = await run(greedy_head=False, with_logprobs=False)
+    assert none == 0 and tokens == logits_tokens
+    mixed_tokens, mixed_steps = await run(greedy_head=True, with_logprobs=True)
+    assert mixed_steps < greedy_steps and mixed_tokens == tokens  # the logprobs row's steps: logits
+    identical = 0
+    for prompt, ours in zip(prompts, tokens):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)[0, len(prompt):]
+        identical += ours == ref.tolist()
+    assert identical >= len(prompts) - 1, f"only {identical}/{len(prompts)} identical to transformers"

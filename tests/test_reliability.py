@@ -21,6 +21,7 @@ import torch
 from tests.engines import running_engine, stage_of, until_idle
 from tokenflow import Engine
 from tokenflow.errors import DeadlineExceeded, EngineError, InvalidRequest, Overloaded
+from tokenflow.runtime.sampler import GreedyTokens
 from tokenflow.stages.tokenizer import TokenizerStage
 
 BASE = dict(max_model_len=128, num_kv_blocks=64, num_threads=1)
@@ -522,10 +523,12 @@ async def test_soak_at_four_times_capacity(tiny_model) -> None:
                 if fault["n"] % 3:
                     raise RuntimeError("injected step fault")
             logits = real_execute(plan)
+            poisoned = [j for j, c in enumerate(c for c in plan.chunks if c.samples) if c.request.prompt == SOAK_POISON]
+            if isinstance(logits, GreedyTokens):  # a greedy step's tokens: -1 is a row with non-finite logits
+                return GreedyTokens([-1 if j in poisoned else t for j, t in enumerate(logits.token_ids)])
             with torch.inference_mode():  # poisoned rows, in any phase: only their own request may fail
-                for j, chunk in enumerate(c for c in plan.chunks if c.samples):
-                    if chunk.request.prompt == SOAK_POISON:
-                        logits[j] = float("nan")
+                for j in poisoned:
+                    logits[j] = float("nan")
             return logits
 
         backend.execute = faulty

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from tokenflow.config import EngineConfig
     from tokenflow.params import TokenLogprob
     from tokenflow.request import Request
-    from tokenflow.runtime.sampler import SamplerOutput
+    from tokenflow.runtime.sampler import GreedyTokens, SamplerOutput
 
 __all__ = (
     "Batcher",
@@ -253,12 +253,14 @@ class StepBackend(ModelBackend, Protocol):
 
     `execute` runs in a worker thread and returns the logits of the plan's sampling chunks in plan
     order: one row each, plus, for a chunk with a `draft`, one row per draft token (the logits after
-    it), so that the scheduler can verify the draft. Optional: `warmup_batch_sizes() -> list[int]`.
+    it), so that the scheduler can verify the draft. For a plan that reads nothing of its logits but each
+    row's argmax (`tokenflow.runtime.sampler.argmax_only`) it may return the rows' tokens instead
+    (`GreedyTokens`). Optional: `warmup_batch_sizes() -> list[int]`.
     """
 
     static: bool
 
-    def execute(self, plan: StepPlan) -> torch.Tensor: ...
+    def execute(self, plan: StepPlan) -> torch.Tensor | GreedyTokens: ...
 
 
 class StaticBackend(ModelBackend, Protocol):

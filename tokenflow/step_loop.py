@@ -49,7 +49,7 @@ from tokenflow.rates import RateWindow
 from tokenflow.request import Request, RequestStatus
 from tokenflow.runtime.loader import LoadedModel
 from tokenflow.runtime.model_thread import ModelThread
-from tokenflow.runtime.sampler import RowFailure, Sampler, SamplerOutput, SamplingRow, row_of
+from tokenflow.runtime.sampler import GreedyTokens, RowFailure, Sampler, SamplerOutput, SamplingRow, row_of
 from tokenflow.structured.bitmask import MaskFiller, StepMasks, fill_masks, masked_first
 from tokenflow.structured.drafts import masked_draft_argmax
 
@@ -113,6 +113,7 @@ class StepLoop:
         self._kv_floor = int(pool.num_blocks * KV_SHRINK_FLOOR) if pool is not None else 0
         self.num_masked_resamples = 0  # constrained tokens drawn again under their mask (the grammar refused one)
         self.num_rejection_settled = 0  # ... of which fresh unconstrained draws settled, without a mask
+        self.num_greedy_head_steps = 0  # steps whose tokens the backend gave without logits (GreedyTokens)
         self.last_step_ms = 0.0
         self.last_forward_ms = 0.0
         self._tokens = RateWindow()  # generated tokens, for tokens/s
@@ -241,6 +242,9 @@ class StepLoop:
             masks = filling.result() if filling is not None else None  # never leave the worker mid-fill
         self.last_forward_ms = (time.perf_counter() - t0) * 1e3
         rows = [row_of(c.request) for c in sampling]
+        if isinstance(logits, GreedyTokens):  # an argmax_only plan the backend settled without logits
+            self.num_greedy_head_steps += 1
+            return StepOutput(self.sampler.greedy_output(logits), [[] for _ in rows])
         if not any(c.draft or c.num_prompt_logits for c in plan.chunks):  # the common case: a row per sample
             if not rows:
                 return StepOutput(SamplerOutput(token_ids=[], logprobs=None), [])
@@ -473,6 +477,7 @@ class StepLoop:
             "num_kv_pool_shrinks": self.num_kv_pool_shrinks,
             "num_masked_resamples": self.num_masked_resamples,
             "num_rejection_settled": self.num_rejection_settled,
+            "num_greedy_head_steps": self.num_greedy_head_steps,
             "step_time_ms": round(self.last_step_ms, 2),
             "forward_time_ms": round(self.last_forward_ms, 2),
             "tokens_per_s": round(self._tokens.rates()[1], 1),

@@ -9,7 +9,9 @@ linears (the few-rows kernel for decodes, oneDNN with fused post-ops for prefill
 product and residual adds then count as linears) and plain oneDNN (`FusedDecoder.without_few_rows_kernel`),
 so both columns come from one run; medians over the repeats. Decode steps also alternate with the
 engine's own form of them where it has one, all layers in one C call (`NativeDecodeLayers`, "C loop"):
-its step time only, as nothing inside it is a Python call to time.
+its step time only, as nothing inside it is a Python call to time, and the head (with the final norm);
+with an fp32 greedy head (`tokenflow.runtime.cpu.greedy_head`), also as greedy steps take it ("C+greedy":
+the rows' tokens from bf16 estimates instead of the fp32 logits).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _install(runner: Any, timer: _PartTimer) -> None:
             layer.o_residual = _TimedResidual(layer.o_residual, timer)
         layer.input_norm = timer.wrap("norms", layer.input_norm)
         layer.post_norm = timer.wrap("norms", layer.post_norm)
-    fused.lm_head = timer.wrap("head", fused.lm_head)
+    fused._logits = timer.wrap("head", fused._logits)  # the final norm and the head, or the greedy head
     fused_layers.attend = timer.wrap("attention", fused_layers.attend)
 
 
@@ -78,7 +80,7 @@ def _linears(runner: Any, kernel: str, c_loop: Any) -> Iterator[None]:
         with runner.fused.without_few_rows_kernel():
             yield
         return
-    runner.fused.native_layers = c_loop if kernel == "C loop" else None
+    runner.fused.native_layers = c_loop if kernel.startswith("C") else None
     try:
         yield
     finally:
@@ -134,18 +136,20 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
     rows = []
     try:
         for case, chunks in cases.items():
-            kernels = ["few-rows", "oneDNN"] + (["C loop"] if c_loop is not None and case.startswith("decode") else [])
+            kernels = ["few-rows", "oneDNN"]
+            if c_loop is not None and case.startswith("decode"):
+                kernels += ["C loop"] + (["C+greedy"] if runner.fused.greedy_head is not None else [])
             samples: dict[str, list[dict[str, float]]] = {kernel: [] for kernel in kernels}
             for _ in range(2):  # warm both
                 for kernel in samples:
                     with _linears(runner, kernel, c_loop):
-                        runner.execute(chunks)
+                        runner.execute(chunks, greedy=kernel == "C+greedy")
             for _ in range(repeats):
                 for kernel in samples:
                     with _linears(runner, kernel, c_loop):
                         timer.seconds.clear()
                         started = time.perf_counter()
-                        runner.execute(chunks)
+                        runner.execute(chunks, greedy=kernel == "C+greedy")
                         step = time.perf_counter() - started
                     parts = {k: v * 1e3 for k, v in timer.seconds.items()}
                     parts["rest"] = step * 1e3 - sum(parts.values())
@@ -155,7 +159,7 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
                 label = "post-ops" if kernel == "few-rows" and case.startswith("prefill") else kernel
                 row = {"dtype": str(dtype).removeprefix("torch."), "case": case, "linears_kernel": label}
                 for key in ("step", "linears", "head", "attention", "norms", "rest"):
-                    timed = kernel != "C loop" or key in ("step", "head")  # the head runs after the loop, in Python
+                    timed = not kernel.startswith("C") or key in ("step", "head")  # the head runs after the loop
                     row[f"{key}_ms"] = round(statistics.median(r.get(key, 0.0) for r in runs), 2) if timed else None
                 rows.append(row)
     finally:

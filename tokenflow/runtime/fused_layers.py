@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, attend
 from tokenflow.runtime.cpu.decode_layers import DecodeLayerWeights, NativeDecodeLayers
 from tokenflow.runtime.cpu.few_rows_linear import FEW_ROWS, FewRowsLinear, few_rows_linear
+from tokenflow.runtime.cpu.greedy_head import greedy_head_for
 from tokenflow.runtime.cpu.native_kernels import NativeKernels
 from tokenflow.runtime.cpu.packed_linear import (
     PackedGatedMLP,
@@ -36,6 +37,7 @@ from tokenflow.runtime.cpu.packed_linear import (
 )
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
 from tokenflow.runtime.gated_mlp import is_gated_silu_mlp
+from tokenflow.runtime.sampler import GreedyTokens
 
 __all__ = ("FusedDecoder", "fused_decoder_for")
 
@@ -163,6 +165,8 @@ class FusedDecoder:
         self.rotary = base.rotary_emb
         self.final_norm = base.norm
         self.lm_head = _linear(model.lm_head.weight, None, pack, few_rows)
+        # greedy steps' tokens without the fp32 head's logits (fp32 few-rows head, AVX512-BF16)
+        self.greedy_head = greedy_head_for(self.lm_head, model.lm_head.weight, int(model.config.vocab_size))
         first = base.layers[0].self_attn
         self.num_heads = model.config.num_attention_heads
         self.head_dim = first.head_dim
@@ -240,7 +244,7 @@ class FusedDecoder:
     def set_linear(self, name: str, linear: Linear) -> None:
         """Run `linear` in place of the linear `name` (see `linears`)."""
         if name == "lm_head":
-            self.lm_head = linear
+            self.lm_head = linear  # the greedy head runs only while its own head is back in place
             return
         _, index, part = name.split(".")
         layer = self.layers[int(index)]
@@ -252,8 +256,10 @@ class FusedDecoder:
         self.native_layers = None  # it runs the few-rows weights being replaced
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
-                 meta: PagedAttentionMetadata) -> torch.Tensor:
-        """Logits `[len(logits_to_keep), vocab]` in the model's dtype for the packed step (`[1, T]` inputs)."""
+                 meta: PagedAttentionMetadata, greedy: bool = False) -> torch.Tensor | GreedyTokens:
+        """Logits `[len(logits_to_keep), vocab]` in the model's dtype for the packed step (`[1, T]` inputs);
+        with `greedy` (every row samples its argmax and nothing else), the rows' tokens where the greedy
+        head settles them."""
         h = self.embed(input_ids[0])  # [T, hidden]
         cos, sin = self.rotary(h, position_ids)  # [1, T, D] each, in h's dtype
         native = self.native if h.dtype in (torch.bfloat16, torch.float32) else None
@@ -270,7 +276,7 @@ class FusedDecoder:
         post_ops = self.post_ops_on and (t > FEW_ROWS or not self._few_rows)
         if self.native_layers is not None and self.native_layers.takes(h, meta):
             self.native_layers.run(h, cos, sin, meta)  # the loop below, in C
-            return self._logits(h.index_select(0, logits_to_keep))
+            return self._logits(h.index_select(0, logits_to_keep), greedy)
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
@@ -289,7 +295,7 @@ class FusedDecoder:
                 # Past the last layer's attention only the sampled rows are read (its K/V are written): a
                 # prefill chunk's other rows skip the output projection and MLP. Rows are row-wise from here.
                 if len(logits_to_keep) == 0:  # no chunk of the step ends its prompt
-                    return self._logits(h[:0])
+                    return self._logits(h[:0], False)
                 out, h = out.index_select(0, logits_to_keep), h.index_select(0, logits_to_keep)
                 t = h.shape[0]
             if post_ops and layer.o_residual is not None:
@@ -301,8 +307,17 @@ class FusedDecoder:
                 continue
             gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
             h = _gated_down(layer.down, gate_up, inter, h, native)
-        return self._logits(h)
+        return self._logits(h, greedy)
 
-    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """The head over the final norm of the rows to sample."""
+    def _logits(self, rows: torch.Tensor, greedy: bool) -> torch.Tensor | GreedyTokens:
+        """The head over the final norm of the rows to sample; with `greedy`, their tokens where the greedy head
+        settles them."""
+        head = self.greedy_head
+        if greedy and head is not None and head.head is self.lm_head:
+            normed = self.final_norm(rows)
+            if head.takes(normed):
+                tokens = head.tokens(normed)
+                if tokens is not None:
+                    return GreedyTokens(tokens)
+            return self.lm_head(normed)
         return _normed_linear(self.lm_head, self.final_norm, rows)

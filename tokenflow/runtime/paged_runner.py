@@ -41,6 +41,7 @@ from tokenflow.runtime.attention.topk import RECENT_BLOCKS, TopkDecode
 from tokenflow.runtime.cpu.native_kernels import load_native_kernels
 from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.fused_layers import fused_decoder_for
+from tokenflow.runtime.sampler import GreedyTokens
 
 __all__ = ("PagedModelRunner", "SeqChunk", "check_model_supported")
 
@@ -256,18 +257,22 @@ class PagedModelRunner:
             raise ModelLoadError(f"cannot switch {type(model).__name__} to paged attention: {e}") from e
 
     # ------------------------------------------------------------------ step
-    def execute(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+    def execute(self, chunks: Sequence[SeqChunk], greedy: bool = False) -> torch.Tensor | GreedyTokens:
         """One forward over `chunks`; returns float32 logits `[rows, vocab]` on the CPU (the sampler runs
-        there): `num_logits` rows per sampling chunk, in chunk order."""
+        there): `num_logits` rows per sampling chunk, in chunk order. With `greedy` (each chunk samples one
+        row, its argmax, and nothing else reads its logits), the rows' tokens where the fused layers' greedy
+        head settles them."""
         if self.graphs is not None and self.graphs.fits(chunks):
             return self.graphs.run(chunks)
         step = self.prepare(chunks, self.kv_cache)
-        return self._forward(step).cpu()
+        out = self._forward(step, greedy)
+        return out if isinstance(out, GreedyTokens) else out.cpu()
 
-    def _forward(self, step: PackedStep) -> torch.Tensor:
+    def _forward(self, step: PackedStep, greedy: bool = False) -> torch.Tensor | GreedyTokens:
         if self.fused is not None:
             with torch.inference_mode(), sdpa_backends(self.device):
-                return self.fused(step.input_ids, step.position_ids, step.logits_to_keep, step.meta).float()
+                out = self.fused(step.input_ids, step.position_ids, step.logits_to_keep, step.meta, greedy)
+            return out if isinstance(out, GreedyTokens) else out.float()
         with torch.inference_mode(), sdpa_backends(self.device):
             out = self.model(
                 input_ids=step.input_ids,

@@ -23,6 +23,7 @@ from array import array
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,11 +32,16 @@ from tokenflow.params import SamplingParams, TokenLogprob
 from tokenflow.request import Request
 from tokenflow.structured.bitmask import StepMasks, apply_bitmask
 
-__all__ = ("RowFailure", "Sampler", "SamplerOutput", "SamplingRow", "has_penalty", "make_generator", "row_of")
+if TYPE_CHECKING:
+    from tokenflow.protocols import StepPlan
+
+__all__ = ("GreedyTokens", "RowFailure", "Sampler", "SamplerOutput", "SamplingRow", "argmax_only", "has_penalty",
+           "make_generator", "plain_greedy", "row_of")
 
 _GREEDY_EPS = 1e-5  # as vLLM: dividing by a smaller temperature overflows fp32, so treat it as greedy
 _STAGES = (64, 1024, 8192)  # candidate counts tried before a full sort for top-k / top-p rows
 _NEG_INF = float("-inf")
+_NON_FINITE = "the model produced non-finite logits for this request"
 
 
 @dataclass(slots=True)
@@ -69,6 +75,36 @@ class SamplerOutput:
     token_ids: list[int]  # a failed row's entry is meaningless
     logprobs: list[TokenLogprob | None] | None  # None when no row asked; else one entry per row
     failed: dict[int, RowFailure] = field(default_factory=dict)  # row -> why it drew no token
+
+
+@dataclass(frozen=True, slots=True)
+class GreedyTokens:
+    """A step's tokens from a backend that took an `argmax_only` plan without logits: each sampling row's
+    largest logit (the first of ties), as the sampler's argmax picks it; -1 where the row's logits were not
+    finite."""
+
+    token_ids: list[int]
+
+
+def plain_greedy(row: SamplingRow) -> bool:
+    """Whether the row's token is its raw logits' argmax and nothing else is read from them: greedy, no
+    logprobs, no logit_bias, penalties or min_tokens mask (a constraint's mask is the caller's to check)."""
+    return row.params.temperature < _GREEDY_EPS and row.params.logprobs is None and not _adjusts(row)
+
+
+def argmax_only(plan: StepPlan) -> bool:
+    """Whether the step reads nothing of its logits but each sampling row's argmax: every such row
+    `plain_greedy`, unconstrained, without drafts to verify or prompt tokens to score."""
+    rows = [c for c in plan.chunks if c.samples]
+    return bool(rows) and all(
+        not c.draft and not c.num_prompt_logits and c.request.constraint is None and plain_greedy(row_of(c.request))
+        for c in rows)
+
+
+def _adjusts(row: SamplingRow) -> bool:
+    """Whether `Sampler._adjust` changes the row's logits: logit_bias, the min_tokens mask, penalties."""
+    p = row.params
+    return len(row.output_token_ids) < p.min_tokens or has_penalty(p) or bool(p.logit_bias)
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -128,6 +164,13 @@ class Sampler:
             for row, error in masks.errors.items():
                 output.failed[row] = RowFailure(f"the output constraint cannot go on: {error}", model_fault=False)
         return output
+
+    def greedy_output(self, tokens: GreedyTokens) -> SamplerOutput:
+        """`sample`'s output for rows a backend settled as `GreedyTokens` (the failure a row with non-finite
+        logits gets from `sample`)."""
+        self._drawn = None
+        failed = {i: RowFailure(_NON_FINITE, model_fault=True) for i, t in enumerate(tokens.token_ids) if t < 0}
+        return SamplerOutput(list(tokens.token_ids), None, failed)
 
     def redrawable(self, row: int) -> bool:
         """Whether `redraw` can draw row `row` of the last `sample` again (a row drawn at random without
@@ -221,7 +264,7 @@ class Sampler:
     def _failure(raw_row: torch.Tensor) -> RowFailure:
         """Only on failure: tell a model fault (raw logits not finite) from degenerate sampling parameters."""
         if not raw_row.isfinite().all():
-            return RowFailure("the model produced non-finite logits for this request", model_fault=True)
+            return RowFailure(_NON_FINITE, model_fault=True)
         return RowFailure("the sampling parameters left no finite logit to sample from", model_fault=False)
 
     def _buf(self, name: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
@@ -236,7 +279,7 @@ class Sampler:
     ) -> torch.Tensor:
         """Rows `idx` of `raw` with min_tokens and penalties applied: `raw` itself when untouched."""
         sub = [rows[i] for i in idx]
-        adjust = any(self._adjusts(r) for r in sub)
+        adjust = any(_adjusts(r) for r in sub)
         every = idx == list(range(raw.shape[0]))
         if every and not adjust:
             return raw
@@ -248,10 +291,6 @@ class Sampler:
         if adjust:
             self._adjust(out, sub)
         return out
-
-    def _adjusts(self, r: SamplingRow) -> bool:
-        p = r.params
-        return len(r.output_token_ids) < p.min_tokens or has_penalty(p) or bool(p.logit_bias)
 
     def _adjust(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """logit_bias, the min_tokens mask, then repetition, frequency and presence penalties, in place on `x`

@@ -28,6 +28,7 @@ from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.gated_mlp import inplace_gated_mlps
 from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
 from tokenflow.runtime.quantize import quantize_runner
+from tokenflow.runtime.sampler import GreedyTokens, argmax_only
 
 __all__ = ("PagedBackend", "create", "kv_pool_blocks", "profile_step_peak")
 
@@ -238,9 +239,10 @@ class PagedBackend:
         assert self.runner is not None
         self.runner.compress(window, table, keep, sinks)
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    def execute(self, plan: StepPlan) -> torch.Tensor | GreedyTokens:
         """Blocking: one forward; logits in plan order, `num_logit_rows` rows per chunk (one per sampling
-        chunk plus one per draft token, and every row of a chunk that scores prompt tokens)."""
+        chunk plus one per draft token, and every row of a chunk that scores prompt tokens). For an
+        `argmax_only` plan, the rows' tokens instead where the fused layers' greedy head settles them."""
         assert self.runner is not None
         chunks = []
         for c in plan.chunks:
@@ -259,7 +261,7 @@ class PagedBackend:
         if self.buckets and plan.num_tokens == len(chunks):  # decode-only: pad to a static batch size
             pad = padded_size(len(chunks), self.buckets) - len(chunks)
             chunks.extend(SeqChunk([0], 0, [self.scratch_block], False) for _ in range(pad))
-        return self.runner.execute(chunks)
+        return self.runner.execute(chunks, greedy=argmax_only(plan))
 
     def warmup_batch_sizes(self) -> list[int]:
         """Decode batch sizes worth a warm-up: every bucket when compiled, else one and a full batch."""

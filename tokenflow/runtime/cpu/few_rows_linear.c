@@ -15,6 +15,7 @@
  * OpenMP splits the panels between torch's threads.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -122,7 +123,7 @@ static inline __attribute__((always_inline)) void tile_f32(const int mr, const f
 static inline __attribute__((always_inline)) void tile_bf16(const int mr, const uint16_t *x, int64_t k,
                                                             const uint16_t *w, const float *bias, int64_t n,
                                                             int64_t n0, const uint16_t *residual, Ahead ahead,
-                                                            uint16_t *out)
+                                                            int out_bf16, void *out)
 {
     __m512 acc[MR][NV];
     for (int r = 0; r < mr; ++r)
@@ -145,7 +146,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const int mr, const 
                 acc[r][h] = _mm512_dpbf16_ps(acc[r][h], xv, wv[h]);
         }
     }
-    store_tile(mr, acc, bias, n, n0, residual, out, 1);
+    store_tile(mr, acc, bias, n, n0, residual, out, out_bf16);
 }
 
 #endif
@@ -160,11 +161,9 @@ static inline __attribute__((always_inline)) void tile_bf16(const int mr, const 
     default: CALL(1); break;                                                                                     \
     }
 
-/* out[m, n] = x[m, k] W^T + bias (+ residual[m, n], when given): x, W, residual and out bf16 (`bf16`, k even)
- * or fp32. Returns 0; 1 for shapes it does not take; 2 when this build lacks the dtype (see
- * few_rows_*_available). */
-int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias, int64_t n,
-                    int64_t n_pad, const void *residual, void *out)
+/* few_rows_linear, and with `out_f32` fp32 output from bf16 inputs (the greedy head's estimates). */
+static int product(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias, int64_t n,
+                   int64_t n_pad, const void *residual, int out_f32, void *out)
 {
     if (!(bf16 ? few_rows_bf16_available() : few_rows_f32_available()))
         return 2;
@@ -191,7 +190,8 @@ int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w
 #if defined(__AVX512BF16__)
             if (bf16) {
 #define BF16(R) tile_bf16(R, (const uint16_t *)x + r0 * k, k, w, bias, n, n0,                                   \
-                         residual ? (const uint16_t *)residual + r0 * n : NULL, ahead, (uint16_t *)out + r0 * n)
+                         residual ? (const uint16_t *)residual + r0 * n : NULL, ahead, !out_f32,                 \
+                         out_f32 ? (void *)((float *)out + r0 * n) : (void *)((uint16_t *)out + r0 * n))
                 TILES(BF16)
                 continue;
             }
@@ -204,10 +204,126 @@ int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w
     return 0;
 }
 
-#else /* no AVX512: both few_rows_*_available() say 0 and nothing calls this */
+/* out[m, n] = x[m, k] W^T + bias (+ residual[m, n], when given): x, W, residual and out bf16 (`bf16`, k even)
+ * or fp32. Returns 0; 1 for shapes it does not take; 2 when this build lacks the dtype (see
+ * few_rows_*_available). */
+int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias, int64_t n,
+                    int64_t n_pad, const void *residual, void *out)
+{
+    return product(x, bf16, m, k, w, bias, n, n_pad, residual, 0, out);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * few_rows_greedy_f32: the greedy token of each fp32 row of a head's input, without the fp32 head.
+ *
+ * Why: a greedy decode step needs each row's largest logit, not the logits. The fp32 head of a small
+ * model is the longest product of its decode step (SmolLM2: 49152 x 576 weights, 113 MB); its bf16 copy
+ * is half the memory and twice the multiply rate. Its estimates settle the argmax exactly: each estimate
+ * is within B_c of the fp32 logit the few-rows kernel computes (bound below), so only the columns whose
+ * estimate comes within 2 B of the best one can hold the largest logit, and those (a few per row) are
+ * computed again in fp32 by the few-rows kernel's own tile, bit for bit the logits it would give.
+ *
+ * Bound: with S_c = sum_j |x_j w_cj| <= ||x|| ||w_c|| (Cauchy-Schwarz), rounding x and w to bf16 moves
+ * each product by at most (2^-7 + 2^-16) of its size, and the fp32 sums of the estimate and of the
+ * logit (k terms each, one rounding per term) by at most k 2^-24 / (1 - k 2^-24) S_c each; for k up to
+ * 1024 all of it is below (2^-7 + 2^-12) S_c. B_c = that times ||x|| ||w_c|| (both rounded up), with a
+ * margin of 2^-10 of itself for the roundings of the comparisons and an absolute 1e-20 for bf16's
+ * flushed denormals.
+ *   x [m, k] fp32; w_bf16, w_f32: the head packed for few_rows_linear in both dtypes; column_norms [n]
+ *   ||w_c|| rounded up; columns >= valid are never chosen; x_bf16 [m, k], estimates [m, n] and
+ *   exact [m, n_pad]: scratch; out [m]: token ids, -1 for a row whose x is not finite (its logits are
+ *   not: NaN or infinite, as the sampler reports them).
+ * Returns 0; 1 when the estimates cannot settle a row cheaply (more than GREEDY_PANELS panels of
+ * candidates, a non-finite estimate or logit; then compute the logits instead), 2 without AVX512-BF16,
+ * 3 for shapes it does not take.
+ * --------------------------------------------------------------------------------------------- */
+#define GREEDY_PANELS 16
+#define GREEDY_REL ((0.0078125f + 0.000244140625f) * (1.f + 0.0009765625f))
+#define GREEDY_ABS 1e-20f
+
+static inline int finite_bits(float v)
+{
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    return (b & 0x7f800000u) != 0x7f800000u;
+}
+
+int few_rows_greedy_f32(const float *x, int64_t m, int64_t k, const uint16_t *w_bf16, const float *w_f32,
+                        const float *column_norms, int64_t n, int64_t n_pad, int64_t valid, uint16_t *x_bf16,
+                        float *estimates, float *exact, int64_t *out)
+{
+#if defined(__AVX512BF16__)
+    if (k % 16 || k > 1024 || n_pad % NR || n > n_pad || valid > n || valid < 1)
+        return 3;
+    for (int64_t i = 0; i < m * k; i += 16)
+        _mm256_storeu_si256((__m256i *)(x_bf16 + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    product(x_bf16, 1, m, k, w_bf16, NULL, n, n_pad, NULL, 1, estimates);
+    int unsettled = 0;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t r = 0; r < m; ++r) {
+        const float *xr = x + r * k, *est = estimates + r * n; /* the product's rows are n apart */
+        float *ex = exact + r * n_pad;
+        double squares = 0.0;
+        int finite = 1;
+        for (int64_t j = 0; j < k; ++j) {
+            finite &= finite_bits(xr[j]);
+            squares += (double)xr[j] * xr[j];
+        }
+        if (!finite) {
+            out[r] = -1;
+            continue;
+        }
+        const float scale = GREEDY_REL * (float)(sqrt(squares) * (1.0 + 0x1p-20));
+        float low = -3e38f;
+        int ok = 1;
+        for (int64_t c = 0; c < valid; ++c) {
+            ok &= finite_bits(est[c]);
+            const float below = est[c] - (scale * column_norms[c] + GREEDY_ABS);
+            low = below > low ? below : low;
+        }
+        int64_t best = -1, panels = 0, panel = -1;
+        float top = 0.f;
+        for (int64_t c = 0; ok && c < valid; ++c) {
+            if (est[c] + (scale * column_norms[c] + GREEDY_ABS) < low)
+                continue;
+            if (c / NR != panel) {
+                if (++panels > GREEDY_PANELS) {
+                    ok = 0;
+                    break;
+                }
+                panel = c / NR;
+                tile_f32(1, xr, k, w_f32, NULL, n, panel * NR, NULL, (Ahead){NULL, 0, 0}, ex);
+            }
+            ok &= finite_bits(ex[c]);
+            if (best < 0 || ex[c] > top) {
+                best = c;
+                top = ex[c];
+            }
+        }
+        if (!ok || best < 0) {
+#pragma omp atomic write
+            unsettled = 1;
+            continue;
+        }
+        out[r] = best;
+    }
+    return unsettled;
+#else
+    return 2;
+#endif
+}
+
+#else /* no AVX512: both few_rows_*_available() say 0 and nothing calls these */
 
 int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias, int64_t n,
                     int64_t n_pad, const void *residual, void *out)
+{
+    return 2;
+}
+
+int few_rows_greedy_f32(const float *x, int64_t m, int64_t k, const uint16_t *w_bf16, const float *w_f32,
+                        const float *column_norms, int64_t n, int64_t n_pad, int64_t valid, uint16_t *x_bf16,
+                        float *estimates, float *exact, int64_t *out)
 {
     return 2;
 }
