@@ -66,6 +66,28 @@ def test_near_ties_are_settled_by_the_fp32_logits(seed: int) -> None:
     assert greedy.tokens(x) == _first_argmax(logits)
 
 
+def test_the_bound_covers_the_rounding_of_the_weights_and_of_x() -> None:
+    """Column 10's fp32 logit beats column 20's by ~1e-3 while bf16 rounding puts its estimate ~0.25 lower:
+    once through the weights' rounding (x exact in bf16), once through x's (weights exact). A bound missing
+    either term leaves column 10 out of the candidates."""
+    k, a, b = 80, 10, 20
+    below, above = 1 + 2**-8 - 2**-16, 1 + 2**-8 + 2**-16  # bf16 rounds them to 1 and to 1 + 2**-7
+    weight = torch.zeros(64, k)
+    weight[a, :64], weight[b, 0], weight[b, 1:64] = below, 1.0, above
+    x = torch.zeros(1, k)
+    x[0, :64] = 1.0
+    head, greedy = _head(weight)
+    logits = head(x)
+    assert logits[0, a] > logits[0, b] and greedy.tokens(x) == [a]
+    weight = torch.zeros(64, k)
+    weight[a, :32], weight[a, 64], weight[b, 32:64] = 1.0, 2**-9, 1.0
+    x = torch.zeros(1, k)
+    x[0, :32], x[0, 32:64], x[0, 64] = below, above, 1.0
+    head, greedy = _head(weight)
+    logits = head(x)
+    assert logits[0, a] > logits[0, b] and greedy.tokens(x) == [a]
+
+
 def test_exact_ties_pick_the_first_column() -> None:
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(300, 64, generator=g) * 0.1

@@ -46,6 +46,15 @@ int few_rows_f32_available(void)
 /* 16 bf16 values as floats (exact). */
 static inline __m512 widen_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
 
+/* One bf16 value as a float (exact). */
+static inline float bf16_value(uint16_t b)
+{
+    const uint32_t bits = (uint32_t)b << 16;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
 /* Lines of the next panel a pass fetches into L2 (`lines` from `at`), spread evenly over its k-steps. */
 typedef struct {
     const char *at;
@@ -219,26 +228,29 @@ int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w
  * Why: a greedy decode step needs each row's largest logit, not the logits. The fp32 head of a small
  * model is the longest product of its decode step (SmolLM2: 49152 x 576 weights, 113 MB); its bf16 copy
  * is half the memory and twice the multiply rate. Its estimates settle the argmax exactly: each estimate
- * is within B_c of the fp32 logit the few-rows kernel computes (bound below), so only the columns whose
- * estimate comes within 2 B of the best one can hold the largest logit, and those (a few per row) are
- * computed again in fp32 by the few-rows kernel's own tile, bit for bit the logits it would give.
+ * a_c is within B_c of the fp32 logit e_c the few-rows kernel computes (bound below), so only the columns
+ * whose estimate comes within B_c + B_m of the best lower bound a_m - B_m can hold the largest logit, and
+ * those (a few per row) are computed again in fp32 the way the few-rows kernel's tile computes them (one
+ * FMA chain per channel over k, in order), bit for bit its logits.
  *
- * Bound: with S_c = sum_j |x_j w_cj| <= ||x|| ||w_c|| (Cauchy-Schwarz), rounding x and w to bf16 moves
- * each product by at most (2^-7 + 2^-16) of its size, and the fp32 sums of the estimate and of the
- * logit (k terms each, one rounding per term) by at most k 2^-24 / (1 - k 2^-24) S_c each; for k up to
- * 1024 all of it is below (2^-7 + 2^-12) S_c. B_c = that times ||x|| ||w_c|| (both rounded up), with a
- * margin of 2^-10 of itself for the roundings of the comparisons and an absolute 1e-20 for bf16's
- * flushed denormals.
- *   x [m, k] fp32; w_bf16, w_f32: the head packed for few_rows_linear in both dtypes; column_norms [n]
- *   ||w_c|| rounded up; columns >= valid are never chosen; x_bf16 [m, k], estimates [m, n] and
- *   exact [m, n_pad]: scratch; out [m]: token ids, -1 for a row whose x is not finite (its logits are
- *   not: NaN or infinite, as the sampler reports them).
- * Returns 0; 1 when the estimates cannot settle a row cheaply (more than GREEDY_PANELS panels of
- * candidates, a non-finite estimate or logit; then compute the logits instead), 2 without AVX512-BF16,
- * 3 for shapes it does not take.
+ * Bound: with x~, w~ the bf16 roundings and dx = x~ - x, dw_c = w~_c - w_c,
+ *   a_c - e_c = (a_c - x~.w~_c) + dx.w~_c + x.dw_c + (x.w_c - e_c), so by Cauchy-Schwarz
+ *   |a_c - e_c| <= ||x|| ||dw_c|| + ||dx|| ||w~_c|| + g (||x~|| ||w~_c|| + ||x|| ||w_c||),
+ * g = k u / (1 - k u), u = 2^-24: both sums are k fp32 roundings (vdpbf16ps's products of bf16 are exact;
+ * the fp32 logit is an FMA chain). ||dw_c|| and max(||w_c||, ||w~_c||) are kept per column (`dw_norms`,
+ * `w_norms`, rounded up), the row's norms are taken in fp64; B_c gets a margin of 2^-10 of itself for the
+ * roundings of the comparisons and an absolute 1e-20 for bf16's flushed denormals. The rounding residues
+ * are far below the worst case 2^-8 of each value: candidates are a few columns per row.
+ *   x [m, k] fp32; w_bf16, w_f32: the head packed for few_rows_linear in both dtypes; dw_norms, w_norms
+ *   [n]; columns >= valid are never chosen; x_bf16 [m, k] and estimates [m, n]: scratch; out [m]: token
+ *   ids, -1 for a row whose x is not finite (its logits are not: NaN or infinite, as the sampler
+ *   reports them).
+ * Returns 0; 1 when the estimates cannot settle a row cheaply (candidates in more than GREEDY_GROUPS
+ * groups of 16 columns, a non-finite estimate or logit; then compute the logits instead), 2 without
+ * AVX512-BF16, 3 for shapes it does not take.
  * --------------------------------------------------------------------------------------------- */
-#define GREEDY_PANELS 16
-#define GREEDY_REL ((0.0078125f + 0.000244140625f) * (1.f + 0.0009765625f))
+#define GREEDY_GROUPS 64
+#define GREEDY_MARGIN (1.f + 0x1p-10f)
 #define GREEDY_ABS 1e-20f
 
 static inline int finite_bits(float v)
@@ -248,56 +260,73 @@ static inline int finite_bits(float v)
     return (b & 0x7f800000u) != 0x7f800000u;
 }
 
+/* The fp32 logits of columns 16 g .. 16 g + 15 for row x, each the FMA chain tile_f32 computes (up to the
+ * sign of a zero, which no comparison sees). */
+static inline __m512 group_logits(const float *x, int64_t k, const float *w_f32, int64_t g)
+{
+    const float *group = w_f32 + g * k * 16;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; ++j)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(x[j]), _mm512_loadu_ps(group + j * 16), acc);
+    return acc;
+}
+
 int few_rows_greedy_f32(const float *x, int64_t m, int64_t k, const uint16_t *w_bf16, const float *w_f32,
-                        const float *column_norms, int64_t n, int64_t n_pad, int64_t valid, uint16_t *x_bf16,
-                        float *estimates, float *exact, int64_t *out)
+                        const float *dw_norms, const float *w_norms, int64_t n, int64_t n_pad, int64_t valid,
+                        uint16_t *x_bf16, float *estimates, int64_t *out)
 {
 #if defined(__AVX512BF16__)
-    if (k % 16 || k > 1024 || n_pad % NR || n > n_pad || valid > n || valid < 1)
+    if (k % 16 || n_pad % NR || n > n_pad || valid > n || valid < 1)
         return 3;
     for (int64_t i = 0; i < m * k; i += 16)
         _mm256_storeu_si256((__m256i *)(x_bf16 + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
     product(x_bf16, 1, m, k, w_bf16, NULL, n, n_pad, NULL, 1, estimates);
+    const double g = k * 0x1p-24 / (1.0 - k * 0x1p-24);
     int unsettled = 0;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t r = 0; r < m; ++r) {
         const float *xr = x + r * k, *est = estimates + r * n; /* the product's rows are n apart */
-        float *ex = exact + r * n_pad;
-        double squares = 0.0;
+        double xx = 0.0, dd = 0.0, tt = 0.0;
         int finite = 1;
         for (int64_t j = 0; j < k; ++j) {
+            const double v = xr[j], t = bf16_value(x_bf16[r * k + j]);
             finite &= finite_bits(xr[j]);
-            squares += (double)xr[j] * xr[j];
+            xx += v * v;
+            dd += (t - v) * (t - v);
+            tt += t * t;
         }
         if (!finite) {
             out[r] = -1;
             continue;
         }
-        const float scale = GREEDY_REL * (float)(sqrt(squares) * (1.0 + 0x1p-20));
+        const double x_norm = sqrt(xx), t_norm = sqrt(tt);
+        const float by_dw = (float)(x_norm * (1.0 + 0x1p-20)) * GREEDY_MARGIN;
+        const float by_w = (float)((sqrt(dd) + g * (t_norm + x_norm)) * (1.0 + 0x1p-20)) * GREEDY_MARGIN;
         float low = -3e38f;
         int ok = 1;
         for (int64_t c = 0; c < valid; ++c) {
             ok &= finite_bits(est[c]);
-            const float below = est[c] - (scale * column_norms[c] + GREEDY_ABS);
+            const float below = est[c] - (by_dw * dw_norms[c] + by_w * w_norms[c] + GREEDY_ABS);
             low = below > low ? below : low;
         }
-        int64_t best = -1, panels = 0, panel = -1;
-        float top = 0.f;
+        int64_t best = -1, groups = 0, group = -1;
+        float top = 0.f, logits[16];
         for (int64_t c = 0; ok && c < valid; ++c) {
-            if (est[c] + (scale * column_norms[c] + GREEDY_ABS) < low)
+            if (est[c] + (by_dw * dw_norms[c] + by_w * w_norms[c] + GREEDY_ABS) < low)
                 continue;
-            if (c / NR != panel) {
-                if (++panels > GREEDY_PANELS) {
+            if (c / 16 != group) {
+                if (++groups > GREEDY_GROUPS) {
                     ok = 0;
                     break;
                 }
-                panel = c / NR;
-                tile_f32(1, xr, k, w_f32, NULL, n, panel * NR, NULL, (Ahead){NULL, 0, 0}, ex);
+                group = c / 16;
+                _mm512_storeu_ps(logits, group_logits(xr, k, w_f32, group));
             }
-            ok &= finite_bits(ex[c]);
-            if (best < 0 || ex[c] > top) {
+            const float logit = logits[c % 16];
+            ok &= finite_bits(logit);
+            if (best < 0 || logit > top) {
                 best = c;
-                top = ex[c];
+                top = logit;
             }
         }
         if (!ok || best < 0) {
@@ -322,8 +351,8 @@ int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w
 }
 
 int few_rows_greedy_f32(const float *x, int64_t m, int64_t k, const uint16_t *w_bf16, const float *w_f32,
-                        const float *column_norms, int64_t n, int64_t n_pad, int64_t valid, uint16_t *x_bf16,
-                        float *estimates, float *exact, int64_t *out)
+                        const float *dw_norms, const float *w_norms, int64_t n, int64_t n_pad, int64_t valid,
+                        uint16_t *x_bf16, float *estimates, int64_t *out)
 {
     return 2;
 }

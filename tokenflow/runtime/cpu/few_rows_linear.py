@@ -67,7 +67,7 @@ class FewRowsKernels:
         self._linear.restype = ctypes.c_int
         self.linear_function = self._linear  # for native loops that call the kernel themselves (decode_layers)
         self.greedy_function = library.few_rows_greedy_f32  # greedy rows' tokens of an fp32 head (greedy_head)
-        self.greedy_function.argtypes = (_P, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P)
+        self.greedy_function.argtypes = (_P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P)
         self.greedy_function.restype = ctypes.c_int
 
     def linear(self, x: torch.Tensor, weight: FewRowsWeight) -> torch.Tensor:

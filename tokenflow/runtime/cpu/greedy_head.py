@@ -7,7 +7,7 @@ computed again in fp32, by the few-rows kernel's own tile: the token is the one 
 gives, bit for bit (`bench-step --parts`, "head" column, measures the two). Where the estimates cannot
 settle a row cheaply (near-uniform logits, a non-finite value) the step computes the logits instead.
 
-The cost is a bf16 copy of the head's weight (half its fp32 size) and one norm per column.
+The cost is a bf16 copy of the head's weight (half its fp32 size) and two norms per column.
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ class GreedyHead:
 
     def __init__(self, head: FewRowsLinear, weight: torch.Tensor, valid: int) -> None:
         self.head = head
-        self.estimate = FewRowsWeight(weight.detach().to(torch.bfloat16), None)
-        norms = weight.detach().double().norm(dim=1) * (1 + 2**-20)  # rounded up past the cast to fp32
-        self.column_norms = norms.float().contiguous()
+        rounded = weight.detach().to(torch.bfloat16)
+        self.estimate = FewRowsWeight(rounded, None)
+        exact, estimate = weight.detach().double(), rounded.double()
+        up = 1 + 2**-20  # past the cast to fp32: the bound wants them rounded up
+        self.dw_norms = ((estimate - exact).norm(dim=1) * up).float()  # ||w~_c - w_c||, the rounding's residue
+        self.w_norms = (torch.maximum(exact.norm(dim=1), estimate.norm(dim=1)) * up).float()
         self.valid = min(valid, head.weight.n)  # columns past the vocabulary are never chosen
         self._greedy = head.kernels.greedy_function
         self._scratch: dict[str, torch.Tensor] = {}
@@ -43,12 +46,11 @@ class GreedyHead:
         rows = rows.contiguous()
         m, weight = rows.shape[0], self.head.weight
         x_bf16 = self._buffer("x_bf16", m * weight.k, torch.bfloat16)
-        estimates = self._buffer("estimates", m * weight.n_pad, torch.float32)
-        exact = self._buffer("exact", m * weight.n_pad, torch.float32)
+        estimates = self._buffer("estimates", m * weight.n, torch.float32)
         out = torch.empty(m, dtype=torch.int64)
-        status = self._greedy(rows.data_ptr(), m, weight.k, self.estimate.packed.data_ptr(),
-                              weight.packed.data_ptr(), self.column_norms.data_ptr(), weight.n, weight.n_pad,
-                              self.valid, x_bf16.data_ptr(), estimates.data_ptr(), exact.data_ptr(), out.data_ptr())
+        status = self._greedy(rows.data_ptr(), m, weight.k, self.estimate.packed.data_ptr(), weight.packed.data_ptr(),
+                              self.dw_norms.data_ptr(), self.w_norms.data_ptr(), weight.n, weight.n_pad, self.valid,
+                              x_bf16.data_ptr(), estimates.data_ptr(), out.data_ptr())
         if status == 1:
             return None
         if status != 0:
@@ -68,7 +70,5 @@ def greedy_head_for(head: object, weight: torch.Tensor, valid: int) -> GreedyHea
     if not isinstance(head, FewRowsLinear) or head.weight.bias is not None:
         return None
     if weight.dtype != torch.float32 or torch.bfloat16 not in head.kernels.dtypes or head.weight.k % 16:
-        return None
-    if head.weight.k > 1024:  # the C file's bound holds up to k = 1024
         return None
     return GreedyHead(head, weight, valid)
