@@ -172,7 +172,7 @@ async def test_greedy_head_steps_give_the_logits_tokens(real_model, real_hf_mode
     max_new = 24
 
     async def run(greedy_head: bool, with_logprobs: bool) -> tuple[list[list[int]], int]:
-        async with Engine(real_model, max_num_seqs=8) as engine:
+        async with Engine(real_model, max_num_seqs=8, num_kv_blocks=320) as engine:  # 8 x up to 29 blocks
             fused = engine._loop.backend.runner.fused
             if fused.greedy_head is None:
                 pytest.skip("no greedy head on this CPU (it needs AVX512-BF16)")
