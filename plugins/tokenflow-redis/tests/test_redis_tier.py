@@ -68,10 +68,14 @@ WORKER = """
 import asyncio, json, sys
 from tokenflow import Engine
 
-async def main(model, settings, prompt):
+async def main(model, settings, prompt, blocks):
     async with Engine(model, **settings) as engine:
         done = await engine.generate(prompt, max_tokens=8, temperature=0.0)
         cached = await engine.generate("a cached answer", max_tokens=6, temperature=0.0, cache_response=True)
+        for _ in range(1000):  # publishing is write-behind: it can trail the requests
+            if engine.stats()["redis_blocks_published"] >= blocks:
+                break
+            await asyncio.sleep(0.01)
         print(json.dumps({"tokens": done.token_ids, "text": cached.text,
                           "published": engine.stats()["redis_blocks_published"]}))
 
@@ -84,7 +88,7 @@ async def test_a_second_process_gets_the_first_ones_prefix_and_response(
 ) -> None:
     config = {**settings(redis_urls), "num_kv_blocks": 64}
     first = subprocess.run(
-        [sys.executable, "-c", WORKER, json.dumps([str(tiny_model), config, LONG])],
+        [sys.executable, "-c", WORKER, json.dumps([str(tiny_model), config, LONG, 18])],
         capture_output=True, text=True, timeout=120, check=True,
     )
     report = json.loads(first.stdout.strip().splitlines()[-1])
