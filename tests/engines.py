@@ -11,8 +11,9 @@ import anyio
 import torch
 
 from tokenflow import Engine
+from tokenflow.runtime.sampler import GreedyTokens
 
-__all__ = ("running_engine", "stage_of", "until_idle")
+__all__ = ("poison_rows", "running_engine", "stage_of", "until_idle")
 
 S = TypeVar("S")
 
@@ -38,3 +39,14 @@ async def until_idle(engine: Engine, limit_s: float = 10.0) -> dict[str, Any]:
         while (s := engine.stats())["kv_blocks_used"] or s["num_running"] or s["num_waiting"]:
             await anyio.sleep(0.01)
     return s
+
+
+def poison_rows(out: torch.Tensor | GreedyTokens, rows: list[int]) -> torch.Tensor | GreedyTokens:
+    """A backend's step output with sampling rows `rows` made a model fault: NaN logits, or, for a step the
+    backend gave as tokens, the -1 it reports for a row whose logits are not finite."""
+    if isinstance(out, GreedyTokens):
+        return GreedyTokens([-1 if j in rows else t for j, t in enumerate(out.token_ids)])
+    with torch.inference_mode():
+        for j in rows:
+            out[j] = float("nan")
+    return out

@@ -16,12 +16,10 @@ from typing import Any, ClassVar
 
 import anyio
 import pytest
-import torch
 
-from tests.engines import running_engine, until_idle
+from tests.engines import poison_rows, running_engine, until_idle
 from tokenflow import Engine, SamplingParams
 from tokenflow.errors import EngineClosed, EngineError, InvalidRequest
-from tokenflow.runtime.sampler import GreedyTokens
 
 BASE = dict(max_model_len=256, num_kv_blocks=64, num_threads=1)
 GOOD = ("The quick brown fox", dict(max_tokens=12, temperature=0.0, ignore_eos=True))
@@ -137,15 +135,9 @@ async def test_non_finite_logits_fail_only_their_own_request(tiny_model) -> None
         real = backend.execute
 
         def poisoning(plan: Any) -> Any:
-            logits = real(plan)
             rows = [c for c in plan.chunks if c.samples]
             poisoned = [j for j, c in enumerate(rows) if (c.request.params.cache_salt or "").startswith("poison")]
-            if isinstance(logits, GreedyTokens):  # a greedy step's tokens: -1 is a row with non-finite logits
-                return GreedyTokens([-1 if j in poisoned else t for j, t in enumerate(logits.token_ids)])
-            with torch.inference_mode():
-                for j in poisoned:
-                    logits[j] = float("nan")
-            return logits
+            return poison_rows(real(plan), poisoned)
 
         backend.execute = poisoning
         outcomes: dict[str, str] = {}

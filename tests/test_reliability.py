@@ -18,10 +18,9 @@ import anyio
 import pytest
 import torch
 
-from tests.engines import running_engine, stage_of, until_idle
+from tests.engines import poison_rows, running_engine, stage_of, until_idle
 from tokenflow import Engine
 from tokenflow.errors import DeadlineExceeded, EngineError, InvalidRequest, Overloaded
-from tokenflow.runtime.sampler import GreedyTokens
 from tokenflow.stages.tokenizer import TokenizerStage
 
 BASE = dict(max_model_len=128, num_kv_blocks=64, num_threads=1)
@@ -522,14 +521,9 @@ async def test_soak_at_four_times_capacity(tiny_model) -> None:
                 fault["n"] += 1
                 if fault["n"] % 3:
                     raise RuntimeError("injected step fault")
-            logits = real_execute(plan)
+            # poisoned rows, in any phase: only their own request may fail
             poisoned = [j for j, c in enumerate(c for c in plan.chunks if c.samples) if c.request.prompt == SOAK_POISON]
-            if isinstance(logits, GreedyTokens):  # a greedy step's tokens: -1 is a row with non-finite logits
-                return GreedyTokens([-1 if j in poisoned else t for j, t in enumerate(logits.token_ids)])
-            with torch.inference_mode():  # poisoned rows, in any phase: only their own request may fail
-                for j in poisoned:
-                    logits[j] = float("nan")
-            return logits
+            return poison_rows(real_execute(plan), poisoned)
 
         backend.execute = faulty
         rnd, rate = random.Random(5), 4 * capacity

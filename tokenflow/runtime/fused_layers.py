@@ -244,7 +244,8 @@ class FusedDecoder:
     def set_linear(self, name: str, linear: Linear) -> None:
         """Run `linear` in place of the linear `name` (see `linears`)."""
         if name == "lm_head":
-            self.lm_head = linear  # the greedy head runs only while its own head is back in place
+            self.lm_head = linear
+            self.greedy_head = None  # it estimates the head being replaced (and holds its weights)
             return
         _, index, part = name.split(".")
         layer = self.layers[int(index)]
@@ -313,7 +314,7 @@ class FusedDecoder:
         """The head over the final norm of the rows to sample; with `greedy`, their tokens where the greedy head
         settles them."""
         head = self.greedy_head
-        if greedy and head is not None and head.head is self.lm_head:
+        if greedy and head is not None:
             normed = self.final_norm(rows)
             if head.takes(normed):
                 tokens = head.tokens(normed)

@@ -134,7 +134,6 @@ def quantize_runner(runner: PagedModelRunner, tokenizer: Any, model_key: bytes, 
         log.info("int8 weights quantised and saved to %s", path)
     for name in names:
         fused.set_linear(name, Int8Linear(weights[name], kernels))
-    fused.greedy_head = None  # it estimates the fp32 head the int8 one replaced: free its weights
     _release_float_weights(fused.model)
     return sum(w.nbytes for w in weights.values())
 

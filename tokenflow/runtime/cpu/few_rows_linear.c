@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MR 6  /* rows per register tile */
 #define NV 4  /* 16-channel vectors per register tile */
 #define NR 64 /* output channels per panel: NV * 16 */
@@ -45,15 +47,6 @@ int few_rows_f32_available(void)
 
 /* 16 bf16 values as floats (exact). */
 static inline __m512 widen_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
-
-/* One bf16 value as a float (exact). */
-static inline float bf16_value(uint16_t b)
-{
-    const uint32_t bits = (uint32_t)b << 16;
-    float v;
-    memcpy(&v, &bits, 4);
-    return v;
-}
 
 /* Lines of the next panel a pass fetches into L2 (`lines` from `at`), spread evenly over its k-steps. */
 typedef struct {
@@ -289,7 +282,7 @@ int few_rows_greedy_f32(const float *x, int64_t m, int64_t k, const uint16_t *w_
         double xx = 0.0, dd = 0.0, tt = 0.0;
         int finite = 1;
         for (int64_t j = 0; j < k; ++j) {
-            const double v = xr[j], t = bf16_value(x_bf16[r * k + j]);
+            const double v = xr[j], t = bf16_to_float(x_bf16[r * k + j]);
             finite &= finite_bits(xr[j]);
             xx += v * v;
             dd += (t - v) * (t - v);
@@ -302,17 +295,18 @@ int few_rows_greedy_f32(const float *x, int64_t m, int64_t k, const uint16_t *w_
         const double x_norm = sqrt(xx), t_norm = sqrt(tt);
         const float by_dw = (float)(x_norm * (1.0 + 0x1p-20)) * GREEDY_MARGIN;
         const float by_w = (float)((sqrt(dd) + g * (t_norm + x_norm)) * (1.0 + 0x1p-20)) * GREEDY_MARGIN;
+#define BOUND(c) (by_dw * dw_norms[c] + by_w * w_norms[c] + GREEDY_ABS)
         float low = -3e38f;
         int ok = 1;
         for (int64_t c = 0; c < valid; ++c) {
             ok &= finite_bits(est[c]);
-            const float below = est[c] - (by_dw * dw_norms[c] + by_w * w_norms[c] + GREEDY_ABS);
+            const float below = est[c] - BOUND(c);
             low = below > low ? below : low;
         }
         int64_t best = -1, groups = 0, group = -1;
         float top = 0.f, logits[16];
         for (int64_t c = 0; ok && c < valid; ++c) {
-            if (est[c] + (by_dw * dw_norms[c] + by_w * w_norms[c] + GREEDY_ABS) < low)
+            if (est[c] + BOUND(c) < low)
                 continue;
             if (c / 16 != group) {
                 if (++groups > GREEDY_GROUPS) {
@@ -329,6 +323,7 @@ int few_rows_greedy_f32(const float *x, int64_t m, int64_t k, const uint16_t *w_
                 top = logit;
             }
         }
+#undef BOUND
         if (!ok || best < 0) {
 #pragma omp atomic write
             unsettled = 1;

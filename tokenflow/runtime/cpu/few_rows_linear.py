@@ -116,18 +116,19 @@ class FewRowsLinear:
         self.enabled = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._takes(x):
+        if not self.takes(x):
             return self.fallback(x)
         return self.kernels.product(x, self.weight)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual + self(x)`, the add done as the kernel stores its output (a new tensor)."""
-        if not (self._takes(x) and residual.shape == (x.shape[0], self.weight.n) and residual.dtype == x.dtype
+        if not (self.takes(x) and residual.shape == (x.shape[0], self.weight.n) and residual.dtype == x.dtype
                 and residual.is_contiguous()):
             return residual + self(x)
         return self.kernels.product(x, self.weight, residual)
 
-    def _takes(self, x: torch.Tensor) -> bool:
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether `x` runs on the kernel (else on the fallback)."""
         weight = self.weight
         return (self.enabled and x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == weight.packed.dtype
                 and x.shape[1] == weight.k)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenflow.runtime.cpu.few_rows_linear import FEW_ROWS, FewRowsLinear, FewRowsWeight
+from tokenflow.runtime.cpu.few_rows_linear import FewRowsLinear, FewRowsWeight
 
 __all__ = ("GreedyHead", "greedy_head_for")
 
@@ -36,9 +36,7 @@ class GreedyHead:
 
     def takes(self, rows: torch.Tensor) -> bool:
         """Whether the head's own forward of `rows` would be the few-rows kernel (whose logits this matches)."""
-        head = self.head
-        return (head.enabled and rows.dim() == 2 and 0 < rows.shape[0] <= FEW_ROWS
-                and rows.dtype == torch.float32 and rows.shape[1] == head.weight.k)
+        return rows.shape[0] > 0 and self.head.takes(rows)
 
     def tokens(self, rows: torch.Tensor) -> list[int] | None:
         """Each row's token (-1 where the row is not finite, so neither are its logits), or None where the
