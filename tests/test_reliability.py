@@ -83,7 +83,7 @@ async def test_cancelled_or_expired_waiting_requests_never_reach_the_model(tiny_
             if scope.cancelled_caught:
                 ended[tag] = "cancelled"
 
-        # On an idle engine, while the tokenizer's (shielded) batch leader encodes the prompt.
+        # On an idle engine, while the prompt waits for its tokenizer batch.
         for i, delay in enumerate([0.0, 0.001, 0.003]):
             await victim(f"tokenizing-cancel-{i}", cancel_after=delay)
         for i, delay in enumerate([0.001, 0.003]):

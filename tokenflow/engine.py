@@ -15,13 +15,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
 import anyio.to_thread
 
 from tokenflow import registry
+from tokenflow.background import BackgroundTask, spawn
 from tokenflow.config import EngineConfig
 from tokenflow.errors import DeadlineExceeded, EngineClosed, EngineError, InvalidRequest, TokenflowError
 from tokenflow.hub import resolve_model
@@ -67,14 +68,14 @@ class Engine:
         self.config = EngineConfig.load(config_file=config_file, **settings)
         self._state = "new"
         self._loop: StepLoop | None = None
-        self._background: _Background | None = None
+        self._background: BackgroundTask | None = None
         self._chain: NextStage | None = None
         self._stages: list[Any] = []
-        self._own_tokenizer: TokenizerStage | None = None
+        self._tokenizer: TokenizerStage | None = None  # the configured stage, else the engine's own
         self._started: list[Any] = []  # stages whose start() ran, in order: stopped at close or after a failed start
         self.scheduler: Any = None
         self._model_thread: ModelThread | None = None
-        self._model_thread_task: _Background | None = None
+        self._model_thread_task: BackgroundTask | None = None
         self.limits: RequestLimits | None = None
         self.model_name = ""
         self._froze_heap = False  # this engine's start froze the GC heap (`freeze_gc`); its close releases it
@@ -99,7 +100,7 @@ class Engine:
             resolved = await anyio.to_thread.run_sync(resolve_model, config.model)
             self.model_name = resolved.name
             model_thread = self._model_thread = ModelThread()
-            self._model_thread_task = _spawn(model_thread.serve, "tokenflow-model-thread")
+            self._model_thread_task = spawn(model_thread.serve, "tokenflow-model-thread")
             await self._start_on(model_thread, resolved.path)
             if config.warmup:
                 await self._warm_up()
@@ -133,7 +134,12 @@ class Engine:
         stages = [registry.load_stage(name, config, kinds=("request",)) for name in config.request_stages]
         scheduler = registry.load_stage(config.batcher, config, kinds=("loop",))
         ctx.scheduler = scheduler
-        for stage in [*stages, scheduler]:
+        # Every text prompt is tokenized (and every prompt's ids checked) before it is queued: by the
+        # `tokenizer` stage where the config lists it, else by one the engine keeps for itself.
+        tokenizer = next((s for s in stages if isinstance(s, TokenizerStage)), None)
+        own = [] if tokenizer is not None else [TokenizerStage(config)]
+        self._tokenizer = tokenizer or own[0]
+        for stage in [*own, *stages, scheduler]:
             self._started.append(stage)  # stopped after a failure, even a failure inside its own start()
             if hasattr(stage, "start"):
                 await stage.start(ctx)
@@ -153,7 +159,7 @@ class Engine:
             debug_leaks=config.debug_leaks, compressor=compressor,
         )
         self._chain = _build_chain(stages, self._enqueue)
-        self._background = _spawn(self._loop.run, "tokenflow-step-loop")
+        self._background = spawn(self._loop.run, "tokenflow-step-loop")
         self._state = "running"
 
     async def _warm_up(self) -> None:
@@ -249,10 +255,8 @@ class Engine:
                                          and messages):
             raise InvalidRequest("messages must be a non-empty list of message dicts", field="messages")
         self.limits.check_prompt(prompt, messages)
-        stage = next((s for s in [*self._stages, self._own_tokenizer] if isinstance(s, TokenizerStage)), None)
-        if stage is None:  # an engine configured without the tokenizer stage: one of its own for this
-            stage = self._own_tokenizer = TokenizerStage(self.config)
-            await stage.start(self.ctx)
+        stage = self._tokenizer
+        assert stage is not None
         if messages is not None:
             checked = check_tools(tools, None)[0] if tools is not None else None
             return await stage.encode_chat(messages, checked)
@@ -355,12 +359,12 @@ class Engine:
         return checked, choice, kwargs
 
     async def _enqueue(self, request: Request) -> None:
-        """The last link of the request path: hand the request to the step loop.
-
-        A stage may hold back a cancellation (the tokenizer shields its batch
-        leader): deliver it here, and honour a passed deadline whose timer has
-        not fired yet, so a cancelled or expired request never reaches the model.
+        """The last link of the request path: tokenize the prompt if no stage did, and hand the request
+        to the step loop. A cancellation or a passed deadline whose timer has not fired yet is honoured
+        here, so a cancelled or expired request never reaches the model.
         """
+        assert self._tokenizer is not None
+        await self._tokenizer.prepare(request)
         await anyio.lowlevel.checkpoint_if_cancelled()
         if request.deadline is not None and anyio.current_time() >= request.deadline:
             raise TimeoutError  # `_results` turns it into DeadlineExceeded
@@ -569,50 +573,6 @@ class Engine:
         except BaseException:
             loop.abort(request)
             raise
-
-
-class _Background:
-    """The step-loop task, cancellable from any task.
-
-    An anyio task group would have to be exited by the task that entered it,
-    which breaks apps (and test fixtures) that open and close the engine in
-    different tasks; so the loop runs as an asyncio task or a trio system task.
-    """
-
-    def __init__(self, fn: Callable[[], Awaitable[None]]) -> None:
-        self._fn = fn
-        self._scope = anyio.CancelScope()
-        self._done = anyio.Event()
-        self.handle: Any = None
-
-    async def main(self) -> None:
-        try:
-            with self._scope:
-                await self._fn()
-        finally:
-            self._done.set()
-
-    async def stop(self) -> None:
-        self._scope.cancel()
-        await self._done.wait()
-
-    async def wait(self) -> None:
-        await self._done.wait()
-
-
-def _spawn(fn: Callable[[], Awaitable[None]], name: str) -> _Background:
-    import asyncio
-
-    background = _Background(fn)
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # not asyncio: trio
-        import trio
-
-        background.handle = trio.lowlevel.spawn_system_task(background.main, name=name)
-    else:
-        background.handle = loop.create_task(background.main(), name=name)
-    return background
 
 
 def _remaining(request: Request) -> float | None:

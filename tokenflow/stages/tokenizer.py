@@ -2,7 +2,9 @@
 
 Encodes in worker threads; prompts that arrive within `tokenizer_window_ms`
 of each other are coalesced into one batch call, which the Rust tokenizer
-runs in parallel. An LRU cache keyed by (text, special-tokens flag) skips
+runs in parallel. The batches run in the stage's own background task, never
+in a caller's: a caller cancelled while its prompt waits only leaves (its
+prompt is skipped if its batch has not started). An LRU cache keyed by (text, special-tokens flag) skips
 repeated prompts; it keeps only encodings that fit the context, bounded by
 `tokenizer_cache_bytes`. Chat messages are rendered with the model's chat
 template in the same worker call; text in a message that spells one of the
@@ -25,8 +27,9 @@ import anyio
 import anyio.to_thread
 import cachetools
 
+from tokenflow.background import BackgroundTask, spawn
 from tokenflow.config import EngineConfig
-from tokenflow.errors import EngineError, InvalidRequest
+from tokenflow.errors import EngineClosed, EngineError, InvalidRequest
 from tokenflow.protocols import EngineContext, NextStage
 from tokenflow.request import Request
 
@@ -36,7 +39,7 @@ __all__ = ("TokenizerStage", "create")
 class _Job:
     """One prompt waiting in a coalesced batch."""
 
-    __slots__ = ("add_special", "done", "error", "messages", "result", "text", "tools")
+    __slots__ = ("abandoned", "add_special", "done", "error", "messages", "result", "text", "tools")
 
     def __init__(self, text: str | None, messages: Sequence[dict[str, Any]] | None, add_special: bool,
                  tools: list[dict[str, Any]] | None = None) -> None:
@@ -47,6 +50,7 @@ class _Job:
         self.result: list[int] | None = None
         self.error: BaseException | None = None
         self.done = anyio.Event()
+        self.abandoned = False  # its caller left (cancelled): skipped if its batch has not started
 
 
 class _Cached:
@@ -70,7 +74,8 @@ class TokenizerStage:
         self._special_in_chat = config.allow_special_tokens_in_chat
         self._special_texts: tuple[str, ...] = ()  # the texts of the tokenizer's special tokens
         self._pending: list[_Job] = []
-        self._leader_active = False
+        self._wake: anyio.Event | None = None
+        self._batcher: BackgroundTask | None = None
         self.tokenizer: Any = None
         self.max_model_len = 0
         self.vocab_size = 0
@@ -83,8 +88,22 @@ class TokenizerStage:
         self.max_model_len = ctx.max_model_len
         self.vocab_size = ctx.vocab_size
         self._special_texts = special_token_texts(ctx.tokenizer)
+        if self._batcher is None:
+            self._wake = anyio.Event()
+            self._batcher = spawn(self._batches, "tokenflow-tokenizer")
+
+    async def stop(self) -> None:
+        batcher, self._batcher = self._batcher, None
+        if batcher is not None:
+            await batcher.stop()
 
     async def handle(self, request: Request, call_next: NextStage) -> None:
+        await self.prepare(request)
+        await call_next(request)
+
+    async def prepare(self, request: Request) -> None:
+        """Give `request` its prompt ids (unless it came with them) and check them: the engine calls this
+        for every request, so an engine configured without this stage still tokenizes and validates."""
         if request.prompt_token_ids is None:
             if request.messages is not None:
                 request.prompt_token_ids = await self._encode(None, request.messages, add_special=False,
@@ -94,14 +113,14 @@ class TokenizerStage:
                 _check_text(text)
                 request.prompt_token_ids = await self._encode(text, None, add_special=True)
         self._validate_ids(request)
-        await call_next(request)
 
     def _validate_ids(self, request: Request) -> None:
         ids = request.prompt_token_ids or []
         if not ids:
             raise InvalidRequest("the prompt is empty", field="prompt")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", field="prompt")
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
@@ -129,28 +148,40 @@ class TokenizerStage:
             if hit is not None:
                 self.cache_hits += 1
                 return hit.ids.tolist()
+        if self._batcher is None:
+            raise EngineClosed("the tokenizer is not started (or was stopped)")
         job = _Job(text, messages, add_special, tools)
         self._pending.append(job)
-        if not self._leader_active:
-            self._leader_active = True
-            # The first job of a window leads the batch; shielded so that
-            # cancelling the leader's caller never strands the followers.
-            with anyio.CancelScope(shield=True):
-                await self._run_batch()
-        else:
-            await job.done.wait()
+        self._wake.set()
+        try:
+            await job.done.wait()  # the batch runs in the stage's own task: leaving here strands nobody
+        except BaseException:
+            job.abandoned = True  # not encoded if its batch has not started
+            raise
         if job.error is not None:
             raise job.error
         assert job.result is not None
         return list(job.result)
 
-    async def _run_batch(self) -> None:
+    async def _batches(self) -> None:
+        """The stage's task: wait for a first prompt, let the window fill, encode the batch; repeat."""
         try:
-            if self._window_s > 0:
-                await anyio.sleep(self._window_s)
+            while True:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                while self._pending:
+                    if self._window_s > 0:
+                        await anyio.sleep(self._window_s)
+                    jobs, self._pending = [j for j in self._pending if not j.abandoned], []
+                    if jobs:
+                        await self._run_batch(jobs)
+        finally:  # stopped: nobody may wait for a batch that will not run
             jobs, self._pending = self._pending, []
-        finally:
-            self._leader_active = False
+            for job in jobs:
+                job.error = job.error or EngineClosed("the engine closed before this prompt was tokenized")
+                job.done.set()
+
+    async def _run_batch(self, jobs: list[_Job]) -> None:
         try:
             try:
                 results = await anyio.to_thread.run_sync(self._encode_jobs, jobs)
@@ -158,10 +189,13 @@ class TokenizerStage:
                 if not isinstance(exc, Exception) and not _is_tokenizer_panic(exc):
                     raise
                 results = await anyio.to_thread.run_sync(self._encode_each, jobs)
-        except BaseException as exc:  # cancelled or broken: no follower may wait forever
+        except Exception as exc:  # a tokenizer bug (not a bad prompt: those are per job)
             for job in jobs:
-                job.error = job.error or EngineError(f"tokenizing failed: {exc!r}")
+                job.error = EngineError(f"tokenizing failed: {exc!r}")
                 job.done.set()
+            return
+        except BaseException:  # the engine stops: the jobs fail with EngineClosed (`_batches`)
+            self._pending[:0] = jobs
             raise
         self.num_batches += 1
         for job, result in zip(jobs, results):
