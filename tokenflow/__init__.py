@@ -14,6 +14,7 @@ from tokenflow.params import Chunk, Completion, SamplingParams, TokenLogprob, Us
 
 if TYPE_CHECKING:
     from tokenflow.engine import Engine
+    from tokenflow.sync_engine import SyncEngine
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = (
     "Engine",
     "EngineConfig",
     "SamplingParams",
+    "SyncEngine",
     "TokenLogprob",
     "Usage",
     "__version__",
@@ -31,10 +33,14 @@ __all__ = (
 
 
 def __getattr__(name: str) -> Any:
-    """`tokenflow.Engine` loads torch and transformers on first use, so `import tokenflow` (and the
+    """`tokenflow.Engine` (and `SyncEngine`) load torch and transformers on first use, so `import tokenflow` (and the
     pytest plugin, in every test run of an environment that has tokenflow) costs no torch import."""
     if name == "Engine":
         from tokenflow.engine import Engine
 
         return Engine
+    if name == "SyncEngine":
+        from tokenflow.sync_engine import SyncEngine
+
+        return SyncEngine
     raise AttributeError(f"module 'tokenflow' has no attribute {name!r}")

@@ -10,12 +10,13 @@ task with `stop()`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 
-__all__ = ("BackgroundTask", "spawn")
+__all__ = ("BackgroundTask", "current_event_loop", "serve_portal", "spawn")
 
 
 class BackgroundTask:
@@ -56,3 +57,31 @@ def spawn(fn: Callable[[], Awaitable[None]], name: str) -> BackgroundTask:
     else:
         task.handle = loop.create_task(task.main(), name=name)
     return task
+
+
+def current_event_loop() -> object | None:
+    """The running event loop (an asyncio loop, or trio's token for its run), or None in sync code: what
+    an engine compares with the loop that started it."""
+    import asyncio
+
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")  # a trio run has imported it
+    if trio is None:
+        return None
+    try:
+        return trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return None
+
+
+async def serve_portal(ready: Callable[[Any], None]) -> None:
+    """Host an anyio `BlockingPortal` on this loop until cancelled; `ready(portal)` is told of it. Other
+    threads run coroutines on this loop through it (`tokenflow.SyncEngine`)."""
+    from anyio.from_thread import BlockingPortal
+
+    async with BlockingPortal() as portal:
+        ready(portal)
+        await anyio.sleep_forever()

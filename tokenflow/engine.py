@@ -14,17 +14,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
 
 from tokenflow import registry
-from tokenflow.background import BackgroundTask, spawn
+from tokenflow.background import BackgroundTask, current_event_loop, serve_portal, spawn
 from tokenflow.config import EngineConfig
-from tokenflow.errors import DeadlineExceeded, EngineClosed, EngineError, InvalidRequest, TokenflowError
+from tokenflow.errors import (
+    DeadlineExceeded,
+    EngineClosed,
+    EngineError,
+    InvalidRequest,
+    TokenflowError,
+    WrongEventLoop,
+)
 from tokenflow.hub import resolve_model
 from tokenflow.kv.block_hash import model_key
 from tokenflow.kv.compression import PromptCompressor
@@ -44,6 +52,9 @@ from tokenflow.stages.tokenizer import TokenizerStage
 from tokenflow.step_loop import StepLoop
 from tokenflow.structured.grammar import GrammarCompiler, constraint_field
 from tokenflow.structured.tools import check_tools, parse_tool_calls, tool_schema
+
+if TYPE_CHECKING:
+    from tokenflow.sync_engine import SyncEngine
 
 __all__ = ("Engine",)
 
@@ -79,6 +90,10 @@ class Engine:
         self.limits: RequestLimits | None = None
         self.model_name = ""
         self._froze_heap = False  # this engine's start froze the GC heap (`freeze_gc`); its close releases it
+        self._home: object | None = None  # the event loop that started the engine: the only one it serves
+        self._home_thread = 0
+        self._portal: Any = None  # an anyio BlockingPortal on the home loop, for `portal()`
+        self._portal_task: BackgroundTask | None = None
 
     # -- lifecycle -----------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -92,10 +107,13 @@ class Engine:
         """Load the model and start the step loop (idempotent). A start that fails stops whatever it
         had started and leaves the engine as new: closable, or startable again."""
         if self._state != "new":
+            self._check_loop()
             return
         self._state = "starting"
+        self._home, self._home_thread = current_event_loop(), threading.get_ident()
         config = self.config
         try:
+            self._portal_task = spawn(lambda: serve_portal(self._set_portal), "tokenflow-portal")
             release_openmp_team()  # this thread's idle OpenMP helpers would slow every step of the model thread
             resolved = await anyio.to_thread.run_sync(resolve_model, config.model)
             self.model_name = resolved.name
@@ -179,11 +197,26 @@ class Engine:
         await self.generate(prompt, max_tokens=4, temperature=0.0, ignore_eos=True, cache_salt="tokenflow-warmup",
                             cache_response=False)
 
+    def _set_portal(self, portal: Any) -> None:
+        self._portal = portal
+
+    def portal(self) -> SyncEngine:
+        """A blocking bridge to this running engine for other threads (sync code: Django views, Celery
+        tasks, sync tests): `bridge.generate(...)`, `bridge.chat(...)`, `for chunk in bridge.stream(...)`.
+        Each call runs on the engine's own event loop and waits for it. From another event loop, call the
+        bridge in a worker thread (`await asyncio.to_thread(bridge.generate, ...)`)."""
+        from tokenflow.sync_engine import SyncEngine
+
+        if self._state != "running" or self._portal is None:
+            raise EngineClosed("portal() needs a running engine: start it first (on its own event loop)")
+        return SyncEngine.bridge(self, self._portal, self._home_thread)
+
     async def aclose(self, drain_timeout: float = 30.0) -> None:
         """Stop admission, let running requests finish (up to `drain_timeout` s), abort the rest."""
         if self._state in ("closed", "new"):
             self._state = "closed"
             return
+        self._check_loop()
         self._state = "closing"
         if self._loop is not None:
             with anyio.move_on_after(drain_timeout):
@@ -209,6 +242,9 @@ class Engine:
             self._model_thread.close()
             await self._model_thread_task.wait()
         self._model_thread = self._model_thread_task = None
+        if self._portal_task is not None:
+            await self._portal_task.stop()
+            self._portal_task = self._portal = None
         if self._froze_heap:
             self._froze_heap = False
             release_heap()
@@ -298,8 +334,20 @@ class Engine:
     def _check_open(self) -> None:
         if self._state == "new":
             raise EngineClosed("the engine is not started: use `async with Engine(...)` or `await engine.start()`")
+        self._check_loop()
         if self._state != "running" or (self._loop is not None and self._loop.dead):
             raise EngineClosed(f"the engine is {'dead' if self._loop and self._loop.dead else self._state}")
+
+    def _check_loop(self) -> None:
+        """An engine serves the event loop that started it: its events and tasks belong to that loop, so a
+        call from another loop or thread would wait for a wake-up that never comes. Refuse it at once."""
+        if current_event_loop() is self._home:
+            return
+        where = "another thread" if threading.get_ident() != self._home_thread else "another event loop"
+        raise WrongEventLoop(
+            f"this engine runs on the event loop that started it (thread {self._home_thread}); it was called "
+            f"from {where}. From other threads use `bridge = engine.portal()` (bridge.generate / chat / "
+            f"stream block until done), or `tokenflow.SyncEngine(model)` for an engine on its own thread.")
 
     def _new_request(self, params: SamplingParams | None, kwargs: dict[str, Any], *, prompt: Any = None,
                      messages: Any = None, tools: Any = None, tool_choice: Any = None) -> Request:

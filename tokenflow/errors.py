@@ -16,6 +16,7 @@ __all__ = (
     "Overloaded",
     "PluginError",
     "TokenflowError",
+    "WrongEventLoop",
 )
 
 
@@ -68,3 +69,8 @@ class ModelLoadError(TokenflowError):
 
 class PluginError(TokenflowError):
     """A plugin failed to import or does not implement its protocol."""
+
+
+class WrongEventLoop(TokenflowError, RuntimeError):
+    """The engine was called from an event loop or thread it does not belong to. An engine serves the
+    loop that started it; other threads use `engine.portal()` or `tokenflow.SyncEngine`."""
