@@ -26,6 +26,7 @@ from tokenflow import registry
 from tokenflow.background import BackgroundTask, current_event_loop, serve_portal, spawn
 from tokenflow.config import EngineConfig
 from tokenflow.errors import (
+    ConfigError,
     DeadlineExceeded,
     EngineClosed,
     EngineError,
@@ -144,11 +145,13 @@ class Engine:
         ctx = EngineContext(
             config, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size, fingerprint
         )
+        backend = registry.load_backend(config.backend, config)
+        await model_thread.run(backend.load, ctx, loaded.model)
+        if ctx.pool is not None:
+            loaded.max_model_len = ctx.max_model_len = context_the_pool_holds(config, ctx.pool, loaded.max_model_len)
         ctx.serving_key = await model_thread.run(
             serving_key, fingerprint, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, config
         )
-        backend = registry.load_backend(config.backend, config)
-        await model_thread.run(backend.load, ctx, loaded.model)
         stages = [registry.load_stage(name, config, kinds=("request",)) for name in config.request_stages]
         scheduler = registry.load_stage(config.batcher, config, kinds=("loop",))
         ctx.scheduler = scheduler
@@ -621,6 +624,34 @@ class Engine:
         except BaseException:
             loop.abort(request)
             raise
+
+
+def context_the_pool_holds(config: EngineConfig, pool: Any, max_model_len: int) -> int:
+    """The context length the engine serves: `max_model_len`, unless the KV pool cannot hold one sequence
+    that long. Then a `max_model_len` the user set is refused (`ConfigError`), and one derived from the
+    model is clamped to what the pool holds, with a warning: a request that fits the context must never
+    be refused for the pool's size."""
+    block = pool.block_size
+    needed = pool.blocks_needed(max_model_len)
+    policy = config.attention_policy
+    if policy.window is not None:  # sliding: sinks + window + one step's chunk, however long a sequence runs
+        held = pool.blocks_needed(policy.sink_tokens) + pool.blocks_needed(policy.window) + 1
+        needed = min(needed, held + pool.blocks_needed(config.max_batch_tokens or block))
+    if needed <= pool.num_blocks:
+        return max_model_len
+    holds = pool.num_blocks * block
+    sizes = "num_kv_blocks, kv_cache_bytes or kv_cache_memory_fraction"
+    if config.max_model_len is not None:
+        raise ConfigError(
+            f"max_model_len={config.max_model_len} needs {needed} KV blocks for one sequence, but the KV pool has "
+            f"{pool.num_blocks} ({holds} tokens): lower max_model_len or enlarge the pool ({sizes})",
+            field="max_model_len")
+    if policy.window is not None or holds < 2 * block:
+        raise ConfigError(f"the KV pool of {pool.num_blocks} blocks cannot hold one sequence: enlarge it ({sizes})",
+                          field="num_kv_blocks")
+    log.warning("the KV pool holds %d tokens, fewer than the model's context of %d: serving max_model_len=%d "
+                "(enlarge the pool with %s to serve more)", holds, max_model_len, holds, sizes)
+    return holds
 
 
 def _remaining(request: Request) -> float | None:

@@ -303,7 +303,8 @@ async def health(request: Request, settings: HTTPSettings) -> Response:
 async def models(request: Request, settings: HTTPSettings) -> Response:
     engine: Engine = request.app.state.engine
     return JSONResponse({"object": "list", "data": [
-        {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "tokenflow"}]})
+        {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "tokenflow",
+         "max_model_len": engine.loaded.max_model_len}]})  # vLLM's field: the context the engine serves
 
 
 async def tokenize(request: Request, settings: HTTPSettings) -> Response:

@@ -10,7 +10,6 @@ the scheduler and the tiers find as `EngineContext.pool`.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -34,30 +33,47 @@ __all__ = ("PagedBackend", "create", "kv_pool_blocks", "profile_step_peak")
 
 log = logging.getLogger("tokenflow")
 
-# Share of free memory for the KV pool when no size is given: on a GPU the pool is the point of the
+# Share of the available memory for the KV pool when no size is given: on a GPU the pool is the point of the
 # device memory; on a CPU it shares RAM with the app embedding us (the pool is zero-filled, so resident).
 _DEFAULT_FRACTION = {False: 0.05, True: 0.6}
 
 
 def available_memory(device: torch.device) -> int:
-    """Free bytes on the device: `mem_get_info` on CUDA, available RAM on CPU."""
+    """Bytes the KV pool may be sized from: free device memory on CUDA (`mem_get_info`); on the CPU the
+    RAM the OS can give without swapping (`MemAvailable`: free pages plus the page cache it can drop),
+    not the free pages alone, which a busy page cache shrinks towards zero on any long-running host."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def kv_pool_blocks(config: EngineConfig, bytes_per_block: int, max_model_len: int, device: torch.device,
                    reserved: int = 0) -> int:
-    """Pool size: `num_kv_blocks`, else `kv_cache_bytes`, else a fraction of the free memory left after
-    `reserved` bytes (a step's measured peak), never more than every sequence at full length needs."""
-    if config.num_kv_blocks:
-        return config.num_kv_blocks
-    fraction = config.kv_cache_memory_fraction or _DEFAULT_FRACTION[device.type == "cuda"]
-    budget = config.kv_cache_bytes or int(max(available_memory(device) - reserved, 0) * fraction)
+    """Pool size: `num_kv_blocks`, else `kv_cache_bytes`, else `kv_cache_memory_fraction` (default 5% on
+    the CPU, 60% on CUDA) of the available memory left after `reserved` bytes (a step's measured peak);
+    never more than every sequence at full length needs (`max_num_seqs` x `max_model_len`). Logs the rule
+    it applied and the figures."""
     blocks_per_seq = -(-max_model_len // config.block_size)
     ceiling = blocks_per_seq * config.max_num_seqs
-    return max(1, min(budget // bytes_per_block, ceiling))
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    if config.kv_cache_bytes:
+        budget, rule = config.kv_cache_bytes, f"kv_cache_bytes={config.kv_cache_bytes}"
+    else:
+        fraction = config.kv_cache_memory_fraction or _DEFAULT_FRACTION[device.type == "cuda"]
+        available = available_memory(device)
+        budget = int(max(available - reserved, 0) * fraction)
+        rule = (f"kv_cache_memory_fraction={fraction:g} of {available / 2**30:.2f} GiB available "
+                f"{'on the device' if device.type == 'cuda' else 'RAM (MemAvailable)'}")
+        if reserved:
+            rule += f" less {reserved / 2**30:.2f} GiB for a step's activations"
+    blocks = max(1, min(budget // bytes_per_block, ceiling))
+    capped = " (capped at max_num_seqs x max_model_len)" if blocks == ceiling else ""
+    log.info("KV pool: %d blocks, %.1f MiB, from %s%s", blocks, blocks * bytes_per_block / 2**20, rule, capped)
+    return blocks
 
 
 def profile_step_peak(runner: PagedModelRunner, num_tokens: int, num_logits: int) -> int:
