@@ -323,6 +323,9 @@ class PoolMachine(RuleBasedStateMachine):
         fits = pool.can_allocate(1)
         pins = list(target.pinned_blocks) if target is not None else []
         refs = pool.ref_count(resident) if resident is not None else 0
+        if pool.num_pinned >= pool.max_pinned:  # the pins are at their bound: it comes back cached
+            target = None
+            pins = []
         ok = pool.restore(key, key_data(key, bs), target)
         assert ok is (resident is not None or fits)
         if not ok:
@@ -382,6 +385,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def requests(self) -> None:
+        pool = self.pool
+        assert pool.num_pinned == sum(len(r.pinned_blocks) for r in self.waiting) <= pool.max_pinned
         for r in self.waiting:
             assert r.block_table == []
         for r in self.running:
@@ -523,6 +528,20 @@ def test_restored_colliding_block_is_never_reused(field: str) -> None:
     assert waiting.pinned_blocks == [] and pool.ref_count(block) == 0
     pool.release(req)
     assert pool.num_used == 0
+
+
+def test_restores_for_queued_requests_pin_at_most_half_the_pool() -> None:
+    """Past `max_pinned` pins a restored block comes back cached: evictable, still found at admission."""
+    pool = make_pool(LRUPolicy(), 8, 2)
+    first, second = make_request(list(range(1, 10))), make_request(list(range(20, 29)))
+    for req in (first, second):
+        for key in keys_of(req, 2):
+            assert pool.restore(key, key_data(key, 2), req)
+    assert pool.max_pinned == 4 and pool.num_pinned == 4 and first.pinned_blocks == [0, 1, 2, 3]
+    assert second.pinned_blocks == [] and pool.num_cached == 4  # second's blocks: cached, not held
+    assert pool.can_allocate(4)
+    pool.release(first)
+    assert pool.num_pinned == 0 and pool.num_used == 0 and pool.num_cached == 8
 
 
 def test_restore_pins_for_a_request_until_admission() -> None:

@@ -36,7 +36,7 @@ class OutOfBlocks(RuntimeError):
 class BlockPool:
     """A fixed set of `num_blocks` KV blocks of `block_size` token slots each."""
 
-    __slots__ = ("_block_size", "_free", "_num_blocks", "_ref_count")
+    __slots__ = ("_block_size", "_free", "_num_blocks", "_num_pinned", "_ref_count")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0:
@@ -48,6 +48,7 @@ class BlockPool:
         # Stack of free ids; reversed so the first allocations get 0, 1, 2, ... (predictable in tests).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._ref_count: list[int] = [0] * num_blocks
+        self._num_pinned = 0  # references held for queued requests (`Request.pinned_blocks`)
 
     @property
     def num_blocks(self) -> int:
@@ -65,6 +66,17 @@ class BlockPool:
     def num_cached(self) -> int:
         """Unreferenced blocks that still hold a cached prefix (evictable); none without prefix caching."""
         return 0
+
+    @property
+    def num_pinned(self) -> int:
+        """References held for queued requests on blocks a lower tier restored (`Request.pinned_blocks`)."""
+        return self._num_pinned
+
+    @property
+    def max_pinned(self) -> int:
+        """At most this many pins: past it a tier's blocks are restored as cached (evictable), so queued
+        requests' prefixes never hold the memory the running ones and the queue's head need."""
+        return self._num_blocks // 2
 
     @property
     def num_used(self) -> int:
@@ -171,8 +183,13 @@ class BlockPool:
             self.free([b for b in request.block_table if b >= 0])
         request.block_table = []
         request.num_trimmed_blocks = 0
+        self.unpin(request)
+
+    def unpin(self, request: Request) -> None:
+        """Drop the references held for a queued request's restored blocks (they stay cached)."""
         if request.pinned_blocks:
             self.free(request.pinned_blocks)
+            self._num_pinned -= len(request.pinned_blocks)
             request.pinned_blocks = []
 
     def replace_table(self, request: Request, table: list[int]) -> None:

@@ -24,7 +24,9 @@ Lower tiers (`lower_tiers`, `kv/tier.py`: the disk tier, plugins' remote
 tiers) are asked in order for the blocks after the resident prefix; while
 one loads them the request waits and `match_prefix` says so. Loaded blocks
 come back through `restore`, pinned for the request until it is admitted or
-ends. Tiers may also listen to evictions (`evict_listeners`: copy a block out
+ends; at most `max_pinned` (half the pool) are pinned, later ones come back
+cached, so queued requests' prefixes never hold what the running ones need.
+Tiers may also listen to evictions (`evict_listeners`: copy a block out
 before it is reused) and to blocks as they fill (`commit_listeners`).
 
 All methods run on the event loop, between steps.
@@ -209,9 +211,7 @@ class PrefixCache(BlockPool):
         """Admit `request` after its cached prefix: reference the hit's blocks, drop its pins."""
         for block in hit.blocks:
             self._reference(block)
-        if request.pinned_blocks:
-            self.free(request.pinned_blocks)
-            request.pinned_blocks = []
+        self.unpin(request)
         request.block_table = list(hit.blocks)
         request.num_committed_blocks = len(hit.blocks)
         request.num_computed_tokens = len(hit.blocks) * self.block_size
@@ -268,10 +268,13 @@ class PrefixCache(BlockPool):
 
     # -- lower tiers ------------------------------------------------------------------
     def restore(self, key: BlockKey, data: torch.Tensor, request: Request | None) -> bool:
-        """Install a block loaded from a lower tier, pinned for `request` (cached when None).
+        """Install a block loaded from a lower tier, pinned for `request` (cached when None, or when the
+        pool already holds `max_pinned` pins).
 
         False when it cannot be installed (no room, or a different block under its hash).
         """
+        if request is not None and self._num_pinned >= self.max_pinned:
+            request = None  # cached: it is still found at admission unless the pool needed the room
         block = self._block_of.get(key.hash)
         if block is not None:
             if self._key_of[block] != key:
@@ -294,6 +297,7 @@ class PrefixCache(BlockPool):
         if request is not None:
             self.policy.on_access(block, len(request.pinned_blocks), self._tick)
             request.pinned_blocks.append(block)
+            self._num_pinned += 1
         return True
 
     def hashed_blocks(self) -> Iterator[tuple[int, BlockKey]]:

@@ -188,8 +188,11 @@ class Scheduler:
                     self.admission_paused = True
                     self.num_paused_admissions += 1
                     break
+                if self._unpin_waiting(keep=request):
+                    continue  # the queue's pins are cached blocks now: look this request up again
                 if not self.running and not plan.chunks:
-                    # Nothing will ever free blocks for it: fail it rather than hang.
+                    # Nothing holds a block and it still does not fit (a pool plugin that lost track of
+                    # its blocks): fail it rather than hang.
                     self.waiting.pop(i)
                     plan.rejected.append((request, InvalidRequest(
                         f"request needs {needed} KV blocks but only {self.pool.num_free} exist", field="prompt")))
@@ -206,6 +209,17 @@ class Scheduler:
             budget -= num_new
         self.last_schedule_us = (time.perf_counter() - started) * 1e6
         return plan
+
+    def _unpin_waiting(self, keep: Request | None = None) -> bool:
+        """Drop every queued request's pinned tier blocks but `keep`'s: they become cached blocks, which
+        allocation may evict, and each request finds what is left of its prefix when it is admitted.
+        A shortage is never a failure while the queue holds blocks. True when a pin was dropped."""
+        dropped = False
+        for other in self.waiting:
+            if other is not keep and other.pinned_blocks:
+                self._release(other)
+                dropped = True
+        return dropped
 
     def _draft(self, request: Request, budget: int) -> list[int]:
         """Guessed next tokens of a decoding request (n-gram lookup in its context), within the step's
@@ -229,6 +243,8 @@ class Scheduler:
     def _reserve(self, request: Request, num_new: int, plan: StepPlan, scheduled: set[int]) -> bool:
         """Give `request` blocks for `num_new` more tokens, preempting others if needed."""
         needed = self.pool.blocks_needed(request.num_kv_tokens + num_new) - len(request.block_table)
+        if needed > 0 and not self.pool.can_allocate(needed):
+            self._unpin_waiting()  # queued prefixes give way before a running request is preempted
         while needed > 0 and not self.pool.can_allocate(needed):
             victim = self._pick_victim()
             if victim is None or victim is request:  # it is the worst placed itself: it yields
