@@ -105,6 +105,37 @@ async def test_bad_constraints_are_typed_errors_and_others_are_served(tiny_model
         assert engine.stats()["num_running"] == 0
 
 
+@pytest.mark.parametrize("count", [5_000, 50_000])
+async def test_thousands_of_choices_are_enforced(tiny_model, count: int) -> None:
+    """Up to 2,000 choices were rule alternatives, each an Earley item; past llguidance's 2,000 items a row
+    it gave up after the first token and the answer ended as "stop" on a prefix ("o" of "option5")."""
+    choices = [f"opt{i}" for i in range(count)] + ["one with \"quotes\" and \\", "ünïcode"]
+    chars = sum(len(c) for c in choices)  # what max_grammar_chars counts of a choice list
+    async with Engine(tiny_model, max_num_seqs=8, max_grammar_chars=chars) as engine:
+        texts = await _many(engine, 8, choice=choices)
+        assert set(texts) <= set(choices), [t for t in texts if t not in choices]
+        greedy = await engine.generate("pick one", choice=choices, temperature=0.0, max_tokens=40)
+        assert greedy.text in choices and greedy.finish_reason == "stop"
+    async with Engine(tiny_model, max_grammar_chars=chars - 1) as engine:  # past the limit: a 400, up front
+        with pytest.raises(InvalidRequest) as info:
+            await engine.generate("x", choice=choices)
+        assert info.value.field == "choice" and "max_grammar_chars" in str(info.value)
+
+
+async def test_a_constraint_the_grammar_engine_gives_up_on_fails_the_request(tiny_model) -> None:
+    """A grammar past llguidance's limits mid-answer (3,000 rule alternatives: too many Earley items in a row)
+    fails its request with an InvalidRequest naming the field, never a "stop" on unchecked output; the
+    others are served."""
+    grammar = "start: " + " | ".join(f'"w{i}"' for i in range(3000))
+    async with Engine(tiny_model, max_num_seqs=4, max_grammar_chars=100_000) as engine:
+        good = engine.generate("hello", max_tokens=20, temperature=0.0, ignore_eos=True)
+        with pytest.raises(InvalidRequest) as info:
+            await engine.generate("x", grammar=grammar, max_tokens=20, temperature=0.0)
+        assert info.value.field == "grammar" and "could not be enforced" in str(info.value)
+        assert (await good).usage.completion_tokens == 20
+        assert engine.stats()["num_running"] == 0 and engine.stats()["kv_blocks_used"] == 0
+
+
 async def test_the_static_backend_refuses_constraints(tiny_model) -> None:
     async with Engine(tiny_model, backend="hf") as engine:
         with pytest.raises(InvalidRequest) as info:

@@ -91,7 +91,7 @@ async def test_a_thread_through_the_portal_gets_what_the_home_loop_gets(tiny_mod
             assert from_thread[("stream", p)] == reference[p]
         assert from_thread["tokenize"] == await engine.tokenize(PROMPTS[0])
         assert from_thread["chat"] == "length" and from_thread["invalid"] == "max_tokens"
-        with pytest.raises(WrongEventLoop, match="await engine.generate"):
+        with pytest.raises(WrongEventLoop, match=r"await engine\.generate"):
             bridge.generate("on the home thread", **GREEDY)  # would wait for itself
 
 

@@ -218,7 +218,7 @@ class StepLoop:
             have = len(request.prompt_logprobs)
             request.prompt_logprobs.extend(entries[max(0, have - 1 - first):])
         result = scheduler.update_from_output(plan, output, self.output)
-        for request, error in result.failed:
+        for request, error in [*result.failed, *self.output.take_failures()]:
             self._fail(request, error)
         self._ended(result.finished, result.num_tokens)
         if self.compressor is not None:

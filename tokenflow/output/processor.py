@@ -26,6 +26,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self._failed: dict[Request, Exception] = {}  # requests to fail after this step (`take_failures`)
 
     def prepare(self, request: Request) -> None:
         """Attach the per-request detokenizer and stop matcher before it runs."""
@@ -54,7 +55,11 @@ class OutputProcessor:
         text = ""
         constraint = request.constraint
         if constraint is not None:  # the grammar moves on; once it has nothing left to match, the output is done
-            constraint.consume_token(token_id)
+            if request in self._failed:
+                return False
+            if not constraint.consume_token(token_id):  # the grammar engine gave up (e.g. one of its limits)
+                self._failed[request] = _constraint_failure(request, constraint)
+                return False
             if constraint.is_stopped():
                 finish = "stop"
         if num_out > params.min_tokens and (
@@ -80,6 +85,12 @@ class OutputProcessor:
                 finish, request.stop_reason = "stop", matched
         self._emit(request, text, [token_id], logprob, finish, first=first)
         return finish is not None
+
+    def take_failures(self) -> list[tuple[Request, Exception]]:
+        """Requests whose output constraint could not take their token in the last step: the step loop
+        fails them (they would otherwise end as a plausible "stop" on output the constraint never checked)."""
+        failed, self._failed = list(self._failed.items()), {}
+        return failed
 
     def finish_length(self, request: Request) -> None:
         """End a request whose backend stopped at its token budget without a final token."""
@@ -129,3 +140,12 @@ def usage_of(request: Request) -> Usage:
         prompt_tokens=request.num_prompt_tokens, completion_tokens=len(request.output_token_ids),
         cached_tokens=request.num_cached_tokens,
     )
+
+
+def _constraint_failure(request: Request, constraint: Any) -> Exception:
+    from tokenflow.errors import InvalidRequest
+    from tokenflow.structured.grammar import constraint_field
+
+    error = constraint.get_error().splitlines()[0] if constraint.is_error() else "the token was refused"
+    return InvalidRequest(f"the output constraint could not be enforced after {len(request.output_token_ids) - 1} "
+                          f"tokens: {error}", field=constraint_field(request.params))

@@ -56,9 +56,12 @@ def grammar_of(params: SamplingParams) -> str | None:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_LAYOUT)  # type: ignore[arg-type]
         if field == "regex":
             return LLMatcher.grammar_from_regex(params.regex)  # type: ignore[arg-type]
-        if field == "choice":  # one alternative per string, each a Lark literal (JSON escapes)
+        if field == "choice":
+            # One terminal, the alternation of the strings as Lark literals (JSON escapes): the lexer matches
+            # it as one automaton. As alternatives of a rule, each string is a parser item, and llguidance
+            # gives up past 2,000 items in a row, which left 2,000 choices unenforced mid-answer.
             alternatives = " | ".join(json.dumps(c) for c in params.choice or ())
-            return LLMatcher.grammar_from_lark(f"start: {alternatives}")
+            return LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}")
         return LLMatcher.grammar_from_lark(params.grammar)  # type: ignore[arg-type]
     except (ValueError, TypeError, RecursionError) as exc:  # not a JSON object, not JSON, nested too deep
         raise InvalidRequest(f"`{field}` is not valid: {exc}", field=field) from None
