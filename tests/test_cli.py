@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -87,3 +91,40 @@ def test_every_command_takes_a_log_level(capsys) -> None:
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert "--log-level" in capsys.readouterr().out, command
+
+
+# -- fail fast: a mistake costs a second, not the minutes of loading a model ------------------------
+def _tokenflow(*args: str) -> tuple[int, str, float]:
+    """The real command in a fresh interpreter: (exit status, stderr, seconds)."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "tokenflow", *args], capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stderr, time.perf_counter() - started
+
+
+def test_serve_on_a_busy_port_fails_before_loading_the_model() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        code, err, seconds = _tokenflow("serve", "--port", str(port))  # the default model: minutes to load
+    assert code == 2 and seconds < 3.0, (code, seconds, err)
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--set", "max_num_seq=4"], "did you mean 'max_num_seqs'?"),
+    (["chat", "--model", "smollm2-13m"], "Did you mean 'smollm2-135m'?"),
+    (["serve", "--set", "kv_cache_byts=1000"], "did you mean 'kv_cache_bytes'?"),
+    (["serve", "--model", "./no/such/folder"], "does not exist"),
+    (["serve", "--max-request-bytes", "0"], "--max-request-bytes must be positive"),
+])
+def test_bad_flags_fail_in_under_three_seconds_with_one_line(args: list[str], message: str) -> None:
+    code, err, seconds = _tokenflow(*args)
+    assert code == 2 and seconds < 3.0, (code, seconds, err)
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_a_missing_extra_names_the_pip_install(monkeypatch) -> None:
+    from tokenflow import cli
+
+    with pytest.raises(cli.UsageError, match=r"pip install 'tokenflow-engine\[server\]'"):
+        cli._require_extra("tokenflow_no_such_module", "server", "tokenflow serve")

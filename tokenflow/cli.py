@@ -7,9 +7,12 @@ and a benchmark's flags are read from its module only when that benchmark is the
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import logging
+import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -86,16 +89,33 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def _make_engine(args: argparse.Namespace) -> Any:
+def _preflight(args: argparse.Namespace) -> dict[str, Any]:
+    """Check every setting and the model spec before anything slow (torch's import, the model's load):
+    a typo fails in well under a second, with a did-you-mean. Returns the engine settings."""
+    from tokenflow.config import EngineConfig
+    from tokenflow.hub.resolve import check_model
+
+    settings = _engine_settings(args)
+    config = EngineConfig.load(config_file=args.config, **settings)  # ConfigError naming the setting
+    check_model(config.model)
+    if hasattr(args, "temperature"):  # generate / chat: the sampling flags too
+        from tokenflow.params import SamplingParams
+
+        SamplingParams.from_kwargs(**_sampling(args))
+    return settings
+
+
+def _make_engine(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
     from tokenflow.engine import Engine
 
-    return Engine(config_file=args.config, **_engine_settings(args))
+    return Engine(config_file=args.config, **settings)
 
 
 async def _generate(args: argparse.Namespace) -> None:
     kwargs = _sampling(args)
+    settings = _preflight(args)
     started = time.perf_counter()
-    async with _make_engine(args) as engine:
+    async with _make_engine(args, settings) as engine:
         loaded = time.perf_counter()
         use_chat = not args.raw and getattr(engine.loaded.tokenizer, "chat_template", None)
         messages = [{"role": "user", "content": args.prompt}]
@@ -122,7 +142,8 @@ async def _chat(args: argparse.Namespace) -> None:
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
-    async with _make_engine(args) as engine:
+    settings = _preflight(args)
+    async with _make_engine(args, settings) as engine:
         tokenizer, context = engine.loaded.tokenizer, engine.loaded.max_model_len
         reply_tokens = kwargs.get("max_tokens") or min(engine.config.default_max_tokens, context // 4)
         print("tokenflow chat — empty line or Ctrl-D to quit", file=sys.stderr)
@@ -181,14 +202,43 @@ def fit_history(
 
 
 def _serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
+    """Check the flags and settings, listen on the port, and only then load the model (minutes on a busy
+    host): a mistake or a busy port fails at once."""
+    settings = _preflight(args)
+    if args.max_request_bytes <= 0:
+        raise UsageError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
+    uvicorn = _require_extra("uvicorn", "server", "tokenflow serve")
+    _require_extra("starlette", "server", "tokenflow serve")
+    sock = _listen(args.host, args.port)
     from tokenflow.serve.openai_app import create_app
 
     http = dict(api_key=args.api_key, max_request_bytes=args.max_request_bytes, cors_origins=args.cors_origin or (),
                 report_cached_tokens=args.report_cached_tokens, trusted_client_fields=args.trust_client_field or ())
-    app = create_app(config_file=args.config, **http, **_engine_settings(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(config_file=args.config, **http, **settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server.run(sockets=[sock])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on `host:port` (IPv4 or IPv6), or a UsageError saying why not."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        hint = " (is another server running there? pick another --port)" if exc.errno == errno.EADDRINUSE else ""
+        raise UsageError(f"cannot listen on {host}:{port}: {reason}{hint}") from None
+
+
+def _require_extra(module: str, extra: str, what: str) -> Any:
+    """Import `module`, or a UsageError naming the pip install that provides it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UsageError(f"{what} needs the `{extra}` extra ({module} is not installed): "
+                         f"pip install 'tokenflow-engine[{extra}]'") from None
 
 
 def _plugins(args: argparse.Namespace) -> None:

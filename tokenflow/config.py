@@ -4,10 +4,11 @@ environment (`TOKENFLOW_*`) and keywords, in rising order of precedence.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -21,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ("AttentionPolicy", "EngineConfig")
+__all__ = ("AttentionPolicy", "EngineConfig", "did_you_mean")
 
 ENV_PREFIX = "TOKENFLOW_"
 # Environment variables with this prefix that are not engine settings (any other is one, or a typo).
@@ -204,10 +205,20 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:
+        unknown = [name for name in values if name not in cls.__struct_fields__]
+        if unknown:
+            raise ConfigError(f"unknown engine setting {unknown[0]!r}{did_you_mean(unknown[0], cls.__struct_fields__)}",
+                              field=unknown[0])
         try:
             return msgspec.convert(dict(values), cls, strict=False)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid engine setting: {exc}", field=_field_of(str(exc))) from None
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """"; did you mean 'x'?" for the known name closest to a mistyped one, or "" when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _field_of(text: str) -> str | None:
@@ -241,7 +252,8 @@ def _read_environ(environ: Mapping[str, str]) -> dict[str, Any]:
             continue
         name = key[len(ENV_PREFIX):].lower()
         if name not in known:
-            raise ConfigError(f"unknown setting {name!r} in environment variable {key}", field=name)
+            raise ConfigError(f"unknown setting {name!r} in environment variable {key}{did_you_mean(name, known)}",
+                              field=name)
         values[name] = _parse_env_value(name, raw)
     return values
 

@@ -9,6 +9,7 @@ expected, because a bare "not found" from deep inside transformers is hard to ac
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from tokenflow.hub.convert import convert_gguf, sha256_file
 from tokenflow.hub.embedded import EMBEDDED, ensure_embedded
 from tokenflow.progress import StageBar
 
-__all__ = ("DEFAULT_MODEL", "ResolvedModel", "resolve_model")
+__all__ = ("DEFAULT_MODEL", "ResolvedModel", "check_model", "resolve_model")
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -78,9 +79,36 @@ def resolve_model(
             f"model path {text!r} does not exist; pass an existing Hugging Face model folder or .gguf "
             f"file, a hub id 'org/name', or an alias ({_alias_list()})."
         )
-    raise ModelLoadError(
+    raise _unknown_model(text)
+
+
+def check_model(spec: str | os.PathLike[str] | None) -> None:
+    """Raise the `ModelLoadError` `resolve_model(spec)` would raise for a spec that names nothing (an unknown
+    alias, a missing path, a file that is not a .gguf), without fetching or converting anything: the CLI
+    checks its `--model` before the seconds of imports and loading."""
+    if spec is None or (isinstance(spec, str) and spec in EMBEDDED):
+        return
+    text = os.fspath(spec)
+    path = Path(text).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
+        return
+    if path.is_file():
+        raise ModelLoadError(f"model file {text!r} is not a .gguf file; pass a .gguf file or the folder of a "
+                             f"Hugging Face model, or an alias ({_alias_list()}).")
+    if isinstance(spec, str) and _looks_like_hub_id(text):
+        return
+    if _looks_like_path(text):
+        raise ModelLoadError(f"model path {text!r} does not exist; pass an existing Hugging Face model folder or "
+                             f".gguf file, a hub id 'org/name', or an alias ({_alias_list()}).")
+    raise _unknown_model(text)
+
+
+def _unknown_model(text: str) -> ModelLoadError:
+    close = difflib.get_close_matches(text.lower(), list(EMBEDDED), n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ModelLoadError(
         f"unknown model {text!r}: it is not an alias ({_alias_list()}), an existing model folder "
-        "or .gguf file, or a hub id of the form 'org/name'."
+        f"or .gguf file, or a hub id of the form 'org/name'.{hint}"
     )
 
 
