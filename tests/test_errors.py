@@ -66,8 +66,10 @@ async def test_bad_chat_messages(engine: Engine) -> None:
 
 
 async def test_request_that_can_never_fit_the_pool(tiny_model) -> None:
+    """A pool of 2 blocks serves a 32-token context (clamped from the model's, with a warning): a request that
+    would need more is refused for the context, up front, and the engine keeps serving."""
     async with Engine(tiny_model, num_kv_blocks=2, block_size=16) as engine:
-        with pytest.raises(InvalidRequest, match="KV blocks") as info:
+        with pytest.raises(InvalidRequest, match="context is 32 tokens") as info:
             await engine.generate("hello there", max_tokens=100)
         assert info.value.field == "max_tokens"
         done = await engine.generate("hello", max_tokens=4, temperature=0.0)  # still serving

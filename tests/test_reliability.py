@@ -304,7 +304,8 @@ async def test_shutdown_with_callers_at_every_stage(tiny_model) -> None:
         _report("aclose(drain_timeout=0.2) under load", outcomes)
         assert outcomes.pop("close") == "completed" and outcomes.pop("short") == "completed"
         assert set(outcomes.values()) == {"EngineClosed"}
-        assert engine._loop.scheduler.pool.num_used == 0
+        assert engine.stats()["kv_blocks_used"] == 0  # at its close
+        assert engine._loop is None and engine.loaded.model is None  # a closed engine let go of its model
         assert await _outcome(engine.generate("after close")) == "EngineClosed"
     finally:
         await engine.aclose()

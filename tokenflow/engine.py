@@ -11,6 +11,7 @@ freed at the next step boundary.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -43,9 +44,11 @@ from tokenflow.params import STRUCTURED_FIELDS, Chunk, Completion, SamplingParam
 from tokenflow.progress import steps
 from tokenflow.protocols import EngineContext, NextStage
 from tokenflow.request import Request, Wakeup
+from tokenflow.runtime.cpu.core_share import CoreSharing
+from tokenflow.runtime.cpu.malloc_tuning import return_freed_memory
 from tokenflow.runtime.cpu.openmp_team import release_openmp_team
 from tokenflow.runtime.gc_heap import freeze_heap, release_heap
-from tokenflow.runtime.loader import load_model
+from tokenflow.runtime.loader import LoadedModel, load_model
 from tokenflow.runtime.model_thread import ModelThread
 from tokenflow.runtime.sampler import make_generator
 from tokenflow.stages.response_tier import serving_key
@@ -95,6 +98,10 @@ class Engine:
         self._home_thread = 0
         self._portal: Any = None  # an anyio BlockingPortal on the home loop, for `portal()`
         self._portal_task: BackgroundTask | None = None
+        self.ctx: EngineContext | None = None
+        self.loaded: LoadedModel | None = None
+        self.grammars: GrammarCompiler | None = None
+        self._last_stats: dict[str, Any] = {}
 
     # -- lifecycle -----------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -175,9 +182,13 @@ class Engine:
         compressor = None
         if config.kv_compression and ctx.pool is not None and hasattr(backend, "compress_kv"):
             compressor = PromptCompressor(config, ctx.pool, backend, model_thread)
+        cores = None
+        if loaded.device.type == "cpu" and config.thread_policy == "adaptive":
+            threads = await model_thread.run(torch_threads)
+            cores = CoreSharing(threads, model_thread.native_id or 0)
         self._loop = StepLoop(
             backend, scheduler, self.output, loaded, ctx.observers, model_thread=model_thread, pool=ctx.pool,
-            debug_leaks=config.debug_leaks, compressor=compressor,
+            debug_leaks=config.debug_leaks, compressor=compressor, cores=cores,
         )
         self._chain = _build_chain(stages, self._enqueue)
         self._background = spawn(self._loop.run, "tokenflow-step-loop")
@@ -226,6 +237,21 @@ class Engine:
                 await self._loop.wait_idle()
         await self._teardown(EngineClosed("the engine was closed before this request finished"))
         self._state = "closed"
+        self._release()
+
+    def _release(self) -> None:
+        """A closed engine lets go of its model, KV cache and stages (`stats()` keeps their last figures) and
+        hands the memory they held back to the OS: an app that closes an engine gets its RAM back, and a
+        test suite that opens hundreds of engines does not pile them up."""
+        if self._loop is not None:
+            self._last_stats = self.stats()
+        self._loop = self._chain = self.scheduler = self._tokenizer = self.grammars = None
+        self._stages = []
+        self.ctx = None
+        if self.loaded is not None:
+            self.loaded.model = None
+        gc.collect()  # modules and tensors in reference cycles
+        return_freed_memory()
 
     async def _teardown(self, error: Exception) -> None:
         """Stop whatever runs, in reverse order of starting: step loop, stages, model thread."""
@@ -320,6 +346,8 @@ class Engine:
         self.ctx.observers.append(observer)
 
     def stats(self) -> dict[str, Any]:
+        if self._loop is None and self._last_stats:  # closed: the figures it had at its close
+            return {**self._last_stats, "state": self._state}
         stats: dict[str, Any] = {"state": self._state, "model": self.model_name}
         if self._loop is not None:
             # what dtype="auto" chose on this machine, and where the model runs
@@ -624,6 +652,13 @@ class Engine:
         except BaseException:
             loop.abort(request)
             raise
+
+
+def torch_threads() -> int:
+    """The model thread's CPU thread count (`num_threads`, else torch's default): the adaptive policy's most."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def context_the_pool_holds(config: EngineConfig, pool: Any, max_model_len: int) -> int:

@@ -8,7 +8,7 @@ step's activations; with the thresholds below the pages stay mapped and are reus
 
 The settings are process-wide (`mallopt`), which is what a CPU inference process wants; the
 cost is that memory freed after a peak stays with the process (`EngineConfig.cpu_keep_freed_memory`
-turns this off).
+turns this off). When an engine closes, `return_freed_memory` hands what it freed back to the kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import functools
 import logging
 import sys
 
-__all__ = ("keep_freed_memory",)
+__all__ = ("keep_freed_memory", "return_freed_memory")
 
 log = logging.getLogger("tokenflow")
 
@@ -34,14 +34,20 @@ TRIM_THRESHOLD_BYTES = 2**30
 
 
 @functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+
+
+@functools.cache
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds, once per process; False where the C library is not glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-    except OSError:
+    libc = _glibc()
+    if libc is None:
         return False
     mallopt = getattr(libc, "mallopt", None)
     if mallopt is None:  # musl and others
@@ -53,3 +59,16 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.warning("mallopt refused the mmap/trim thresholds; freed memory goes back to the kernel")
     return ok
+
+
+def return_freed_memory() -> bool:
+    """Give the free memory of every malloc arena back to the kernel (`malloc_trim(0)`): a closed engine's
+    model, KV cache and activations, which the raised thresholds would otherwise keep with the process (each
+    engine's model thread has an arena of its own, which the next engine's does not reuse)."""
+    libc = _glibc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is None:
+        return False
+    trim.argtypes = (ctypes.c_size_t,)
+    trim.restype = ctypes.c_int
+    return bool(trim(0))
