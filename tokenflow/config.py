@@ -128,7 +128,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     cache_secret: str | None = None  # HMAC key of disk/Redis entries; disk default: a random secret kept in cache_dir
     tier_load_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0  # a slower tier load is dropped: recompute
     disk_flush_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0  # aclose() writes hottest blocks first
-    num_threads: Positive | None = None
+    num_threads: Positive | None = None  # CPU threads of the model (None: torch's default, the physical cores)
+    # CPU: "adaptive" runs on up to num_threads, one fewer while other work holds the cores, one more when one
+    # is idle (`runtime/cpu/core_share.py`); "fixed" always num_threads
+    thread_policy: Literal["adaptive", "fixed"] = "adaptive"
     self_check: bool = True
     attention: Literal["dense", "sliding", "topk"] = "dense"
     window: Positive = 1024  # sliding: recent tokens each query sees

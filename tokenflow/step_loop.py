@@ -47,6 +47,7 @@ from tokenflow.protocols import (
 )
 from tokenflow.rates import RateWindow
 from tokenflow.request import Request, RequestStatus
+from tokenflow.runtime.cpu.core_share import CoreSharing
 from tokenflow.runtime.loader import LoadedModel
 from tokenflow.runtime.model_thread import ModelThread
 from tokenflow.runtime.sampler import GreedyTokens, RowFailure, Sampler, SamplerOutput, SamplingRow, row_of
@@ -79,6 +80,7 @@ class StepLoop:
         self, backend: StepBackend | StaticBackend, scheduler: Scheduler | StaticScheduler, output: OutputProcessor,
         loaded: LoadedModel, observers: list[EngineObserver], *, model_thread: ModelThread,
         pool: KVPool | None = None, debug_leaks: bool = False, compressor: PromptCompressor | None = None,
+        cores: CoreSharing | None = None,
     ) -> None:
         self.observers = observers
         self.compressor = compressor  # kv_compression: shrinks each long prompt's K/V after its prefill
@@ -117,6 +119,8 @@ class StepLoop:
         self.last_step_ms = 0.0
         self.last_forward_ms = 0.0
         self._tokens = RateWindow()  # generated tokens, for tokens/s
+        self.cores = cores  # CPU: the thread count as other work takes and gives back cores
+        self._threads = cores.threads if cores is not None else 0  # what the model thread should run on
         self._decode_step_ms: dict[int, collections.deque[tuple[float, float]]] = {}
 
     # -- called from callers' tasks -------------------------------------------
@@ -190,6 +194,8 @@ class StepLoop:
             await anyio.sleep(0.001)  # waiting for blocks that an abort will free
             return
         started = time.perf_counter()
+        if self.cores is not None:
+            self._threads = self.cores.poll()
         try:
             output = await self.model_thread.run(self._execute, plan)
         except torch.OutOfMemoryError as exc:  # CUDA OOM: a smaller step, before failing anyone
@@ -231,6 +237,8 @@ class StepLoop:
     def _execute(self, plan: StepPlan) -> StepOutput:
         """Model thread: forward + sample (+ the argmax after each draft token). Constrained rows' masks
         are filled on the mask worker while the forward pass runs."""
+        if self._threads and self._threads != torch.get_num_threads():
+            torch.set_num_threads(self._threads)
         sampling = [c for c in plan.chunks if c.samples]
         constrained = [(j, c.request.constraint) for j, c in enumerate(sampling) if c.request.constraint is not None]
         lazy = [(j, m) for j, m in constrained if not masked_first(sampling[j].request.params)]
@@ -490,6 +498,8 @@ class StepLoop:
         }
         if self.compressor is not None:
             stats.update(self.compressor.stats())
+        if self.cores is not None:
+            stats.update(self.cores.stats())
         stats.update(self.scheduler.stats())
         stats.update(self.backend.stats())
         return stats

