@@ -124,7 +124,7 @@ async def test_eos_ignore_eos_and_min_tokens(engine) -> None:
     fake_eos = full.token_ids[2]
     first = full.token_ids.index(fake_eos)
     engine.output.eos_token_ids = frozenset({fake_eos})  # pretend this token is the model's EOS
-    engine._loop.sampler.eos_token_ids = (fake_eos,)
+    engine._loop.worker.sampler.eos_token_ids = (fake_eos,)
     if hasattr(engine._loop.backend, "sampler"):
         engine._loop.backend.sampler.eos_token_ids = (fake_eos,)
     stopped = await engine.generate(PROMPT, max_tokens=10, temperature=0.0)

@@ -51,6 +51,7 @@ from tokenflow.runtime.gc_heap import freeze_heap, release_heap
 from tokenflow.runtime.loader import LoadedModel, load_model
 from tokenflow.runtime.model_thread import ModelThread
 from tokenflow.runtime.sampler import make_generator
+from tokenflow.runtime.worker import ModelWorker
 from tokenflow.stages.response_tier import serving_key
 from tokenflow.stages.tokenizer import TokenizerStage
 from tokenflow.step_loop import StepLoop
@@ -179,17 +180,16 @@ class Engine:
         self.output = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, loaded.max_model_len)
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids,
                                         config.grammar_cache_size)
-        compressor = None
-        if config.kv_compression and ctx.pool is not None and hasattr(backend, "compress_kv"):
-            compressor = PromptCompressor(config, ctx.pool, backend, model_thread)
         cores = None
         if loaded.device.type == "cpu" and config.thread_policy == "adaptive":
             threads = await model_thread.run(torch_threads)
             cores = CoreSharing(threads, model_thread.native_id or 0)
-        self._loop = StepLoop(
-            backend, scheduler, self.output, loaded, ctx.observers, model_thread=model_thread, pool=ctx.pool,
-            debug_leaks=config.debug_leaks, compressor=compressor, cores=cores,
-        )
+        worker = ModelWorker(backend, loaded, model_thread, cores)
+        compressor = None
+        if config.kv_compression and ctx.pool is not None and hasattr(backend, "compress_kv"):
+            compressor = PromptCompressor(config, ctx.pool, worker)
+        self._loop = StepLoop(worker, scheduler, self.output, ctx.observers, pool=ctx.pool,
+                              debug_leaks=config.debug_leaks, compressor=compressor)
         self._chain = _build_chain(stages, self._enqueue)
         self._background = spawn(self._loop.run, "tokenflow-step-loop")
         self._state = "running"
@@ -197,7 +197,7 @@ class Engine:
     async def _warm_up(self) -> None:
         """Run short requests at each decode batch size the engine will see, so one-time costs
         (kernel selection, allocator growth, compilation with `compile=True`) are paid now."""
-        sizes = self._loop.backend.warmup_batch_sizes() if hasattr(self._loop.backend, "warmup_batch_sizes") else [1]
+        sizes = self._loop.worker.warmup_batch_sizes()
         started = time.perf_counter()
         vocab = self.loaded.vocab_size
         for size in steps(sizes, "tokenflow: warm-up (decode batch sizes)"):

@@ -12,23 +12,28 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from tokenflow.errors import EngineError, InvalidRequest
+
 if TYPE_CHECKING:
     import torch
 
     from tokenflow.config import EngineConfig
     from tokenflow.params import TokenLogprob
     from tokenflow.request import Request
-    from tokenflow.runtime.sampler import GreedyTokens, SamplerOutput
 
 __all__ = (
     "Batcher",
+    "DeviceOutOfMemory",
     "EngineContext",
     "EngineObserver",
+    "GreedyTokens",
     "KVPool",
     "ModelBackend",
     "NextStage",
     "PrefixHit",
     "RequestStage",
+    "RowFailure",
+    "SamplerOutput",
     "ScheduledChunk",
     "Scheduler",
     "StaticBackend",
@@ -143,6 +148,44 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+
+class DeviceOutOfMemory(Exception):
+    """The device ran out of memory in a step (`torch.OutOfMemoryError`, as the model worker reports it to
+    the step loop, which then makes the next step smaller)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RowFailure:
+    """Why a row drew no token. `model_fault`: its raw logits were not finite (else its parameters made
+    every token impossible or non-finite)."""
+
+    reason: str
+    model_fault: bool
+
+    def error(self) -> Exception:
+        """The error its request fails with: an engine fault, or the caller's parameters."""
+        if self.model_fault:
+            return EngineError(f"sampling failed: {self.reason}")
+        return InvalidRequest(f"sampling failed: {self.reason}", field="params")
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One token per sampling row of a step (plain data: the sampler fills it on the model thread)."""
+
+    token_ids: list[int]  # a failed row's entry is meaningless
+    logprobs: list[TokenLogprob | None] | None  # None when no row asked; else one entry per row
+    failed: dict[int, RowFailure] = field(default_factory=dict)  # row -> why it drew no token
+
+
+@dataclass(frozen=True, slots=True)
+class GreedyTokens:
+    """A step's tokens from a backend that took an `argmax_only` plan without logits: each sampling row's
+    largest logit (the first of ties), as the sampler's argmax picks it; -1 where the row's logits were not
+    finite."""
+
+    token_ids: list[int]
 
 
 @dataclass
@@ -266,14 +309,15 @@ class StepBackend(ModelBackend, Protocol):
 class StaticBackend(ModelBackend, Protocol):
     """A backend that runs a whole batch to completion (`static = True`, e.g. `hf`).
 
-    `run_batch` runs in a worker thread and reports each step's tokens through
-    `on_tokens(items, failed)`: `(request, token, logprob)` per live row, and `(request, RowFailure)`
-    for rows that could not be sampled; it stops a row once its request is finished.
+    `run_batch` runs on the model thread, draws every token with `sampler` (the model worker's: one
+    owner of sampling for every backend) and reports each step's tokens through `on_tokens(items,
+    failed)`: `(request, token, logprob)` per live row, and `(request, RowFailure)` for rows that could
+    not be sampled; it stops a row once its request is finished.
     """
 
     static: bool
 
-    def run_batch(self, requests: Sequence[Request], on_tokens: Callable[..., None]) -> None: ...
+    def run_batch(self, requests: Sequence[Request], sampler: Any, on_tokens: Callable[..., None]) -> None: ...
 
 
 # -- the KV pool ----------------------------------------------------------------------------------

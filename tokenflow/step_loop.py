@@ -1,14 +1,15 @@
-"""The step loop: the one task that owns the model.
+"""The step loop: the one task that drives the model.
 
-    scheduler.schedule() -> model + sampler (model thread) -> scheduler.update_from_output(plan, output, sink)
-                                                               -> the output processor: text chunks to callers
+    scheduler.schedule() -> worker.step(plan) -> scheduler.update_from_output(plan, output, sink) -> observers
+                            (model thread)       the output processor: text chunks to callers
 
 Each step: hand aborted requests back to the scheduler (their blocks go back to
-the pool), ask it for a plan, run the model and sampler in a worker thread,
-then let the scheduler take the step's tokens, which the output processor
-turns into text chunks on the event loop. Request objects are only mutated on
-the event loop, between steps, so the worker never sees a request change
-under it (an abort only marks the request ended, which the worker ignores).
+the pool), ask it for a plan, let the model worker (`runtime/worker.py`) run it
+on the model thread, then let the scheduler take the step's tokens, which the
+output processor turns into text chunks on the event loop. Request objects are
+only mutated on the event loop, between steps, so the worker never sees a
+request change under it (an abort only marks the request ended, which the
+worker ignores). This module imports no torch: the worker is the seam.
 
 A failed step fails the requests of that step with `EngineError`; after
 `MAX_CONSECUTIVE_FAILURES` failed steps in a row the engine is dead and every
@@ -24,41 +25,27 @@ import collections
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.from_thread
-import torch
 
 from tokenflow.errors import EngineError
 from tokenflow.kv.compression import PromptCompressor
 from tokenflow.output.processor import OutputProcessor
 from tokenflow.protocols import (
+    DeviceOutOfMemory,
     EngineObserver,
     KVPool,
-    ScheduledChunk,
+    RowFailure,
     Scheduler,
-    StaticBackend,
     StaticScheduler,
-    StepBackend,
-    StepOutput,
     StepPlan,
     notify_request_end,
 )
 from tokenflow.rates import RateWindow
 from tokenflow.request import Request, RequestStatus
-from tokenflow.runtime.cpu.core_share import CoreSharing
-from tokenflow.runtime.loader import LoadedModel
-from tokenflow.runtime.model_thread import ModelThread
-from tokenflow.runtime.sampler import GreedyTokens, RowFailure, Sampler, SamplerOutput, SamplingRow, row_of
-from tokenflow.structured.bitmask import MaskFiller, StepMasks, fill_masks, masked_first
-from tokenflow.structured.drafts import masked_draft_argmax
-
-# Fresh draws a refused constrained row gets before its mask is filled (see `Sampler.redraw_rejecting`).
-REJECTION_TRIES = 16
-
-if TYPE_CHECKING:
-    from llguidance import LLMatcher
+from tokenflow.runtime.worker import ModelWorker
 
 __all__ = ("MAX_CONSECUTIVE_FAILURES", "KVLeakError", "StepLoop")
 
@@ -77,27 +64,23 @@ class KVLeakError(RuntimeError):
 
 class StepLoop:
     def __init__(
-        self, backend: StepBackend | StaticBackend, scheduler: Scheduler | StaticScheduler, output: OutputProcessor,
-        loaded: LoadedModel, observers: list[EngineObserver], *, model_thread: ModelThread,
-        pool: KVPool | None = None, debug_leaks: bool = False, compressor: PromptCompressor | None = None,
-        cores: CoreSharing | None = None,
+        self, worker: ModelWorker, scheduler: Scheduler | StaticScheduler, output: OutputProcessor,
+        observers: list[EngineObserver], *, pool: KVPool | None = None, debug_leaks: bool = False,
+        compressor: PromptCompressor | None = None,
     ) -> None:
         self.observers = observers
         self.compressor = compressor  # kv_compression: shrinks each long prompt's K/V after its prefill
-        self.model_thread = model_thread
         self.debug_leaks = debug_leaks
         # Requests handed to the scheduler that are unfinished or still hold blocks (pruned as they
         # end, amortised O(1)): the leak check names holders from it, and a broken scheduler's
         # requests can be failed even when it lost track of them.
         self._tracked: dict[Request, None] = {}
         self._prune_at = 64
-        self.backend = backend
+        self.worker = worker
         self.scheduler = scheduler
         self.pool = pool
         self.output = output
-        self.sampler = Sampler(loaded.vocab_size, loaded.eos_token_ids)
-        self.masks = MaskFiller(loaded.vocab_size)  # structured outputs' token masks, beside the forward pass
-        self.static = bool(getattr(backend, "static", False))
+        self.static = worker.static
         self.dead = False
         self._wake = anyio.Event()
         self._idle = anyio.Event()
@@ -113,15 +96,14 @@ class StepLoop:
         self._oom_streak = 0  # out-of-memory steps since the last step that ran
         self.num_kv_pool_shrinks = 0
         self._kv_floor = int(pool.num_blocks * KV_SHRINK_FLOOR) if pool is not None else 0
-        self.num_masked_resamples = 0  # constrained tokens drawn again under their mask (the grammar refused one)
-        self.num_rejection_settled = 0  # ... of which fresh unconstrained draws settled, without a mask
-        self.num_greedy_head_steps = 0  # steps whose tokens the backend gave without logits (GreedyTokens)
         self.last_step_ms = 0.0
-        self.last_forward_ms = 0.0
         self._tokens = RateWindow()  # generated tokens, for tokens/s
-        self.cores = cores  # CPU: the thread count as other work takes and gives back cores
-        self._threads = cores.threads if cores is not None else 0  # what the model thread should run on
         self._decode_step_ms: dict[int, collections.deque[tuple[float, float]]] = {}
+
+    @property
+    def backend(self) -> Any:
+        """The model worker's backend (tests and tools reach it here)."""
+        return self.worker.backend
 
     # -- called from callers' tasks -------------------------------------------
     def add(self, request: Request) -> None:
@@ -194,11 +176,9 @@ class StepLoop:
             await anyio.sleep(0.001)  # waiting for blocks that an abort will free
             return
         started = time.perf_counter()
-        if self.cores is not None:
-            self._threads = self.cores.poll()
         try:
-            output = await self.model_thread.run(self._execute, plan)
-        except torch.OutOfMemoryError as exc:  # CUDA OOM: a smaller step, before failing anyone
+            output = await self.worker.step(plan)
+        except DeviceOutOfMemory as exc:  # a smaller step, before failing anyone
             shrink = getattr(scheduler, "shrink", None)
             if shrink is not None and shrink(plan):
                 self.num_oom_recoveries += 1
@@ -232,107 +212,7 @@ class StepLoop:
         self.last_step_ms = (time.perf_counter() - started) * 1e3
         if plan.num_tokens == len(plan.chunks):  # a decode-only step: track its time by batch size
             recent = self._decode_step_ms.setdefault(len(plan.chunks), collections.deque(maxlen=256))
-            recent.append((self.last_step_ms, self.last_forward_ms))
-
-    def _execute(self, plan: StepPlan) -> StepOutput:
-        """Model thread: forward + sample (+ the argmax after each draft token). Constrained rows' masks
-        are filled on the mask worker while the forward pass runs."""
-        if self._threads and self._threads != torch.get_num_threads():
-            torch.set_num_threads(self._threads)
-        sampling = [c for c in plan.chunks if c.samples]
-        constrained = [(j, c.request.constraint) for j, c in enumerate(sampling) if c.request.constraint is not None]
-        lazy = [(j, m) for j, m in constrained if not masked_first(sampling[j].request.params)]
-        filling = self.masks.start([(j, m) for j, m in constrained if masked_first(sampling[j].request.params)])
-        t0 = time.perf_counter()
-        try:
-            logits = self.backend.execute(plan)
-        finally:
-            masks = filling.result() if filling is not None else None  # never leave the worker mid-fill
-        self.last_forward_ms = (time.perf_counter() - t0) * 1e3
-        rows = [row_of(c.request) for c in sampling]
-        if isinstance(logits, GreedyTokens):  # an argmax_only plan the backend settled without logits
-            self.num_greedy_head_steps += 1
-            return StepOutput(self.sampler.greedy_output(logits), [[] for _ in rows])
-        if not any(c.draft or c.num_prompt_logits for c in plan.chunks):  # the common case: a row per sample
-            if not rows:
-                return StepOutput(SamplerOutput(token_ids=[], logprobs=None), [])
-            return StepOutput(self._sample(logits, rows, masks, lazy), [[] for _ in rows])
-        first: list[int] = []  # each sampling chunk's row of logits for its known token
-        after_draft: list[list[int]] = []
-        scored: list[tuple[Request, int, list[dict[int, float]]]] = []
-        row = 0
-        for c in plan.chunks:
-            count = c.num_logit_rows
-            if c.num_prompt_logits:
-                scored.append((c.request, c.request.num_computed_tokens,
-                               self._prompt_logprobs(logits[row:row + c.num_prompt_logits], c)))
-            if c.samples:
-                known = row + count - 1 - len(c.draft)
-                first.append(known)
-                draft_rows = logits[known + 1:known + 1 + len(c.draft), : self.sampler.vocab_size]
-                after_draft.append(draft_rows.argmax(-1).tolist() if c.draft else [])
-            row += count
-        sampled = self._sample(logits[first], rows, masks, lazy) if rows else SamplerOutput([], None)
-        for j, c in enumerate(sampling):  # a constrained draft: the chain it accepts must be the grammar's
-            matcher = c.request.constraint
-            if c.draft and matcher is not None and j not in sampled.failed:
-                after_draft[j], repaired = masked_draft_argmax(
-                    matcher, sampled.token_ids[j], c.draft, after_draft[j],
-                    logits[first[j] + 1:first[j] + 1 + len(c.draft)], self.sampler.vocab_size)
-                self.num_masked_resamples += repaired
-        return StepOutput(sampled, after_draft, scored)
-
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None,
-                lazy: list[tuple[int, LLMatcher]]) -> SamplerOutput:
-        """Sample every row; then the `lazy` constrained rows whose token their grammar refuses are drawn
-        again (see `masked_first`): first a few fresh unconstrained draws, then, for the rows none of those
-        settles, under their mask."""
-        sampled = self.sampler.sample(logits, rows, masks)
-        refused = [(j, m) for j, m in lazy
-                   if j not in sampled.failed and (m.is_error() or not m.validate_tokens([sampled.token_ids[j]]))]
-        if not refused:
-            return sampled
-        self.num_masked_resamples += len(refused)
-        redrawn = [(j, m) for j, m in refused if self.sampler.redrawable(j)]  # the common case: drawn at random
-        matcher_of = dict(redrawn)
-        settled = self.sampler.redraw_rejecting([j for j, _ in redrawn], rows,
-                                                lambda j, t: matcher_of[j].validate_tokens([t]) == 1, REJECTION_TRIES)
-        for j, token in settled.items():
-            sampled.token_ids[j] = token
-        self.num_rejection_settled += len(settled)
-        redrawn = [(j, m) for j, m in redrawn if j not in settled]
-        sampled_again = [(j, m) for j, m in refused if not self.sampler.redrawable(j)]  # greedy rows
-        for group, redraw in ((redrawn, True), (sampled_again, False)):  # redraw first: `sample` forgets the draw
-            if not group:
-                continue
-            picked = [j for j, _ in group]
-            group_masks = fill_masks([(k, m) for k, (_, m) in enumerate(group)], self.sampler.vocab_size)
-            again = (self.sampler.redraw(picked, rows, group_masks) if redraw
-                     else self.sampler.sample(logits[picked], [rows[j] for j in picked], group_masks))
-            for k, j in enumerate(picked):
-                sampled.token_ids[j] = again.token_ids[k]
-                if k in again.failed:
-                    sampled.failed[j] = again.failed[k]
-        return sampled
-
-    def _prompt_logprobs(self, logits: torch.Tensor, chunk: ScheduledChunk) -> list[dict[int, float]]:
-        """For each row (position p), the log-probability of prompt token p + 1 and of the top
-        `prompt_logprobs` tokens there, from the raw logits (as vLLM's prompt_logprobs)."""
-        request = chunk.request
-        start = request.num_computed_tokens
-        targets = torch.tensor(request.all_token_ids[start + 1:start + 1 + logits.shape[0]], device=logits.device)
-        logprobs = torch.log_softmax(logits[:, : self.sampler.vocab_size].float(), dim=-1)
-        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-        width = request.params.prompt_logprobs or 0
-        top_v, top_i = logprobs.topk(width, dim=-1) if width else (None, None)
-        out = []
-        for j, token in enumerate(targets.tolist()):
-            entry = {token: chosen[j]}
-            if top_i is not None:
-                entry.update(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True))
-                entry[token] = chosen[j]
-            out.append(entry)
-        return out
+            recent.append((self.last_step_ms, self.worker.last_forward_ms))
 
     async def _run_static_batch(self) -> None:
         scheduler = self.scheduler
@@ -358,7 +238,7 @@ class StepLoop:
 
         started = time.perf_counter()
         try:
-            await self.model_thread.run(self.backend.run_batch, batch, on_tokens)
+            await self.worker.run_batch(batch, on_tokens)
             self._failures = 0
             self._notify_step(time.perf_counter() - started, True)
         except Exception as exc:
@@ -410,10 +290,9 @@ class StepLoop:
         """Free the KV memory of the pool's last blocks: their holders are preempted (they recompute),
         cached ones are evicted (tiers copy them out), then the backend frees the memory."""
         pool = self.pool
-        shrink_kv = getattr(self.backend, "shrink_kv", None)
         truncate = getattr(pool, "truncate", None)
         vacate = getattr(self.scheduler, "vacate_blocks_from", None)
-        if pool is None or shrink_kv is None or truncate is None or vacate is None:
+        if pool is None or not hasattr(self.worker.backend, "shrink_kv") or truncate is None or vacate is None:
             return
         target = max(pool.num_blocks - int(pool.num_blocks * KV_SHRINK_FRACTION), self._kv_floor, 1)
         if target >= pool.num_blocks:
@@ -421,11 +300,11 @@ class StepLoop:
         vacate(target)
         before = pool.num_blocks
         truncate(target)
-        await self.model_thread.run(shrink_kv, target)
+        await self.worker.shrink_kv(target)
         self.num_kv_pool_shrinks += 1
         log.warning("out of memory again: the KV pool gave %d of its %d blocks back", before - target, before)
 
-    def _out_of_memory_alone(self, plan: StepPlan, exc: torch.OutOfMemoryError) -> None:
+    def _out_of_memory_alone(self, plan: StepPlan, exc: DeviceOutOfMemory) -> None:
         """The step ran out of memory with nothing left to shrink: its request cannot run even alone. It
         fails with an EngineError saying so; this is its size, not an engine fault, so it does not count
         towards the engine's death, and the limits shrunk for it come back."""
@@ -483,11 +362,7 @@ class StepLoop:
             "num_oom_recoveries": self.num_oom_recoveries,
             "num_oom_failures": self.num_oom_failures,
             "num_kv_pool_shrinks": self.num_kv_pool_shrinks,
-            "num_masked_resamples": self.num_masked_resamples,
-            "num_rejection_settled": self.num_rejection_settled,
-            "num_greedy_head_steps": self.num_greedy_head_steps,
             "step_time_ms": round(self.last_step_ms, 2),
-            "forward_time_ms": round(self.last_forward_ms, 2),
             "tokens_per_s": round(self._tokens.rates()[1], 1),
             "dead": self.dead,
         }
@@ -498,8 +373,6 @@ class StepLoop:
         }
         if self.compressor is not None:
             stats.update(self.compressor.stats())
-        if self.cores is not None:
-            stats.update(self.cores.stats())
         stats.update(self.scheduler.stats())
-        stats.update(self.backend.stats())
+        stats.update(self.worker.stats())
         return stats

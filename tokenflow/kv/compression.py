@@ -22,7 +22,7 @@ from tokenflow.request import Request, RequestStatus
 if TYPE_CHECKING:
     from tokenflow.config import EngineConfig
     from tokenflow.protocols import StepPlan
-    from tokenflow.runtime.model_thread import ModelThread
+    from tokenflow.runtime.worker import ModelWorker
 
 __all__ = ("PromptCompressor",)
 
@@ -30,14 +30,13 @@ log = logging.getLogger("tokenflow")
 
 
 class PromptCompressor:
-    def __init__(self, config: EngineConfig, pool: Any, backend: Any, model_thread: ModelThread) -> None:
+    def __init__(self, config: EngineConfig, pool: Any, worker: ModelWorker) -> None:
         self.ratio = config.kv_compression_ratio
         self.min_tokens = config.kv_compression_min_tokens
         self.window = config.kv_compression_window
         self.sinks = config.sink_tokens
         self.pool = pool
-        self.backend = backend
-        self.model_thread = model_thread
+        self.worker = worker
         self.num_compressed = 0
         self.tokens_dropped = 0
         self._failed: weakref.WeakSet[Request] = weakref.WeakSet()  # not tried again
@@ -71,7 +70,7 @@ class PromptCompressor:
         start = length - self.window
         window = SeqChunk(request.all_token_ids[start:length], start, list(request.block_table), False)
         try:
-            await self.model_thread.run(self.backend.compress_kv, window, table, keep, self.sinks)
+            await self.worker.compress_kv(window, table, keep, self.sinks)
         except Exception:
             log.exception("kv_compression failed for %s; it keeps its whole prompt", request.request_id)
             self.pool.free(table)

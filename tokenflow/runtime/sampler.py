@@ -21,14 +21,14 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
 
-from tokenflow.errors import EngineError, InvalidRequest
 from tokenflow.params import SamplingParams, TokenLogprob
+from tokenflow.protocols import GreedyTokens, RowFailure, SamplerOutput
 from tokenflow.request import Request
 from tokenflow.structured.bitmask import StepMasks, apply_bitmask
 
@@ -53,37 +53,6 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # generated so far (penalties, min_tokens)
     generator: torch.Generator | None = None  # the request's own, from `make_generator`, when seeded
     stop_token_ids: Collection[int] = ()  # masked with EOS while min_tokens is not reached
-
-
-@dataclass(frozen=True, slots=True)
-class RowFailure:
-    """Why a row drew no token. `model_fault`: its raw logits were not finite (else its parameters made
-    every token impossible or non-finite)."""
-
-    reason: str
-    model_fault: bool
-
-    def error(self) -> Exception:
-        """The error its request fails with: an engine fault, or the caller's parameters."""
-        if self.model_fault:
-            return EngineError(f"sampling failed: {self.reason}")
-        return InvalidRequest(f"sampling failed: {self.reason}", field="params")
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    token_ids: list[int]  # a failed row's entry is meaningless
-    logprobs: list[TokenLogprob | None] | None  # None when no row asked; else one entry per row
-    failed: dict[int, RowFailure] = field(default_factory=dict)  # row -> why it drew no token
-
-
-@dataclass(frozen=True, slots=True)
-class GreedyTokens:
-    """A step's tokens from a backend that took an `argmax_only` plan without logits: each sampling row's
-    largest logit (the first of ties), as the sampler's argmax picks it; -1 where the row's logits were not
-    finite."""
-
-    token_ids: list[int]
 
 
 def plain_greedy(row: SamplingRow) -> bool:

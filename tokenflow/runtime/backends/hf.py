@@ -2,9 +2,10 @@
 
 It works for any causal LM and is the baseline the `paged` backend is
 compared with. The batch runs to completion (the longest request decides
-its length). tokenflow's own sampler runs inside a `LogitsProcessor`: it
-picks each row's token with that row's parameters and seeded generator, then
-leaves only that token finite, so greedy `generate` takes it. A per-row
+its length). The model worker's sampler (the one every backend's tokens come
+from) runs inside a `LogitsProcessor`: it picks each row's token with that
+row's parameters and seeded generator, then leaves only that token finite, so
+greedy `generate` takes it. A per-row
 stopping criterion ends rows that finished or were aborted.
 """
 
@@ -75,7 +76,6 @@ class HFBackend:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model: Any = None
-        self.sampler: Sampler | None = None
         self.pad_id = 0
         self.num_batches = 0
         self.num_padded_tokens = 0
@@ -83,14 +83,13 @@ class HFBackend:
 
     def load(self, ctx: EngineContext, model: Any) -> None:
         self.model = model
-        self.sampler = Sampler(ctx.vocab_size, ctx.eos_token_ids)
         tok = ctx.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(ctx.eos_token_ids), 0)
         self.pad_id = int(pad)
         self.max_model_len = ctx.max_model_len
 
-    def run_batch(self, requests: Sequence[Request], on_tokens: TokenSink) -> None:
-        """Blocking: generate for `requests` until every row finished."""
+    def run_batch(self, requests: Sequence[Request], sampler: Sampler, on_tokens: TokenSink) -> None:
+        """Blocking: generate for `requests` until every row finished, each token drawn by `sampler`."""
         device = self.model.device
         longest = max(r.num_tokens for r in requests)
         ids = torch.full((len(requests), longest), self.pad_id, dtype=torch.long)
@@ -107,13 +106,12 @@ class HFBackend:
         gen_config = GenerationConfig(
             max_new_tokens=max(budget, 1), do_sample=False, pad_token_id=self.pad_id, eos_token_id=None
         )
-        assert self.sampler is not None
         with torch.inference_mode():
             self.model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
                 generation_config=gen_config,
-                logits_processor=LogitsProcessorList([_SampleWithTokenflow(self.sampler, requests, on_tokens)]),
+                logits_processor=LogitsProcessorList([_SampleWithTokenflow(sampler, requests, on_tokens)]),
                 stopping_criteria=StoppingCriteriaList([_StopFinishedRows(requests)]),
             )
 
