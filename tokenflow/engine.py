@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 
 from tokenflow import registry
 from tokenflow.background import BackgroundTask, current_event_loop, serve_portal, spawn
@@ -37,7 +38,6 @@ from tokenflow.errors import (
 )
 from tokenflow.hub import resolve_model
 from tokenflow.kv.block_hash import model_key
-from tokenflow.kv.compression import PromptCompressor
 from tokenflow.limits import RequestLimits
 from tokenflow.output.processor import OutputProcessor, usage_of
 from tokenflow.params import STRUCTURED_FIELDS, Chunk, Completion, SamplingParams, ToolCall
@@ -155,6 +155,9 @@ class Engine:
         )
         backend = registry.load_backend(config.backend, config)
         await model_thread.run(backend.load, ctx, loaded.model)
+        if config.kv_compression and (ctx.pool is None or not hasattr(backend, "compress_kv")):
+            log.warning("kv_compression needs a backend that compresses its KV (`paged`); it is off")
+            config = self.config = msgspec.structs.replace(config, kv_compression=None)
         if ctx.pool is not None:
             loaded.max_model_len = ctx.max_model_len = context_the_pool_holds(config, ctx.pool, loaded.max_model_len)
         ctx.serving_key = await model_thread.run(
@@ -185,11 +188,8 @@ class Engine:
             threads = await model_thread.run(torch_threads)
             cores = CoreSharing(threads, model_thread.native_id or 0)
         worker = ModelWorker(backend, loaded, model_thread, cores)
-        compressor = None
-        if config.kv_compression and ctx.pool is not None and hasattr(backend, "compress_kv"):
-            compressor = PromptCompressor(config, ctx.pool, worker)
         self._loop = StepLoop(worker, scheduler, self.output, ctx.observers, pool=ctx.pool,
-                              debug_leaks=config.debug_leaks, compressor=compressor)
+                              debug_leaks=config.debug_leaks)
         self._chain = _build_chain(stages, self._enqueue)
         self._background = spawn(self._loop.run, "tokenflow-step-loop")
         self._state = "running"

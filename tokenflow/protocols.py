@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "Batcher",
+    "CompressJob",
     "DeviceOutOfMemory",
     "EngineContext",
     "EngineObserver",
@@ -138,12 +139,28 @@ class ScheduledChunk:
 
 
 @dataclass
+class CompressJob:
+    """kv_compression: before the step's forward, score the last `window` of `request`'s first `length`
+    computed tokens and copy the `keep` prompt positions they attend to most (with `sinks`) into `table`,
+    blocks the scheduler allocated; the scheduler swaps the request's table after the step."""
+
+    request: Request
+    table: list[int]
+    length: int
+    keep: int
+    window: int
+    sinks: int
+
+
+@dataclass
 class StepPlan:
-    """One step of work: chunks to compute, and requests the scheduler gave up on."""
+    """One step of work: chunks to compute, KV compressions to run first, and requests the scheduler gave
+    up on."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     rejected: list[tuple[Request, Exception]] = field(default_factory=list)
+    compressions: list[CompressJob] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -197,6 +214,7 @@ class StepOutput:
     draft_argmax: list[list[int]]
     # requests asking for prompt_logprobs: (first prompt position scored, one entry per position)
     prompt_logprobs: list[tuple[Request, int, list[dict[int, float]]]] = field(default_factory=list)
+    compressed: list[bool] = field(default_factory=list)  # per `plan.compressions`: whether its copy ran
 
 
 # (request, token, logprob, in_cache): a taken token, and whether its K/V is already in the cache

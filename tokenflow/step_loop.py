@@ -31,7 +31,6 @@ import anyio
 import anyio.from_thread
 
 from tokenflow.errors import EngineError
-from tokenflow.kv.compression import PromptCompressor
 from tokenflow.output.processor import OutputProcessor
 from tokenflow.protocols import (
     DeviceOutOfMemory,
@@ -66,10 +65,8 @@ class StepLoop:
     def __init__(
         self, worker: ModelWorker, scheduler: Scheduler | StaticScheduler, output: OutputProcessor,
         observers: list[EngineObserver], *, pool: KVPool | None = None, debug_leaks: bool = False,
-        compressor: PromptCompressor | None = None,
     ) -> None:
         self.observers = observers
-        self.compressor = compressor  # kv_compression: shrinks each long prompt's K/V after its prefill
         self.debug_leaks = debug_leaks
         # Requests handed to the scheduler that are unfinished or still hold blocks (pruned as they
         # end, amortised O(1)): the leak check names holders from it, and a broken scheduler's
@@ -172,7 +169,7 @@ class StepLoop:
             return
         for request, error in plan.rejected:
             self._fail(request, error)
-        if not plan.chunks:
+        if not plan.chunks and not plan.compressions:
             await anyio.sleep(0.001)  # waiting for blocks that an abort will free
             return
         started = time.perf_counter()
@@ -207,10 +204,8 @@ class StepLoop:
         for request, error in [*result.failed, *self.output.take_failures()]:
             self._fail(request, error)
         self._ended(result.finished, result.num_tokens)
-        if self.compressor is not None:
-            await self.compressor.run(plan)
         self.last_step_ms = (time.perf_counter() - started) * 1e3
-        if plan.num_tokens == len(plan.chunks):  # a decode-only step: track its time by batch size
+        if plan.chunks and plan.num_tokens == len(plan.chunks) and not plan.compressions:  # decode-only: by batch
             recent = self._decode_step_ms.setdefault(len(plan.chunks), collections.deque(maxlen=256))
             recent.append((self.last_step_ms, self.worker.last_forward_ms))
 
@@ -371,8 +366,6 @@ class StepLoop:
                    "forward": round(statistics.median(f for _, f in times), 2), "count": len(times)}
             for size, times in sorted(self._decode_step_ms.items())
         }
-        if self.compressor is not None:
-            stats.update(self.compressor.stats())
         stats.update(self.scheduler.stats())
         stats.update(self.worker.stats())
         return stats

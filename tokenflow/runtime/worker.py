@@ -1,16 +1,18 @@
 """`ModelWorker`: the one owner of everything that runs on the model thread.
 
 The step loop plans on the event loop and hands each plan to `step(plan)`; the worker runs it on the model
-thread and returns plain data (`StepOutput`): the forward (the backend), the sampler, the grammar masks of
-constrained rows (filled on the mask thread beside the forward), the redraws of tokens a grammar refused,
-the argmax after each draft token and its repair under a grammar, the prompt logprobs, and the CPU
-thread count the core-sharing policy chose. The static `hf` backend samples through the same sampler
-(`run_batch`). Device out-of-memory comes back as `DeviceOutOfMemory`, so the step loop needs no torch:
-this class is the seam where another executor (several processes, a remote device) would plug in.
+thread and returns plain data (`StepOutput`): the KV compression copies the scheduler planned, the forward
+(the backend), the sampler, the grammar masks of constrained rows (filled on the mask thread beside the
+forward), the redraws of tokens a grammar refused, the argmax after each draft token and its repair under
+a grammar, the prompt logprobs, and the CPU thread count the core-sharing policy chose. The static `hf`
+backend samples through the same sampler (`run_batch`). Device out-of-memory comes back as
+`DeviceOutOfMemory`, so the step loop needs no torch: this class is the seam where another executor
+(several processes, a remote device) would plug in.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from tokenflow.protocols import (
+    CompressJob,
     DeviceOutOfMemory,
     GreedyTokens,
     RowFailure,
@@ -40,6 +43,8 @@ if TYPE_CHECKING:
     from llguidance import LLMatcher
 
 __all__ = ("REJECTION_TRIES", "ModelWorker")
+
+log = logging.getLogger("tokenflow")
 
 # Fresh draws a refused constrained row gets before its mask is filled (see `Sampler.redraw_rejecting`).
 REJECTION_TRIES = 16
@@ -86,10 +91,6 @@ class ModelWorker:
         await self.model_thread.run(shrink, num_blocks)
         return True
 
-    async def compress_kv(self, window: Any, table: list[int], keep: int, sinks: int) -> None:
-        """kv_compression: score a prompt's keys and copy the kept ones into `table` (the backend's)."""
-        await self.model_thread.run(self.backend.compress_kv, window, table, keep, sinks)  # type: ignore[union-attr]
-
     def warmup_batch_sizes(self) -> list[int]:
         sizes = getattr(self.backend, "warmup_batch_sizes", None)
         return list(sizes()) if sizes is not None else [1]
@@ -112,6 +113,28 @@ class ModelWorker:
         mask worker while the forward pass runs."""
         if self._threads and self._threads != torch.get_num_threads():
             torch.set_num_threads(self._threads)
+        compressed = [self._compress(job) for job in plan.compressions]
+        if not plan.chunks:
+            return StepOutput(SamplerOutput([], None), [], compressed=compressed)
+        output = self._forward_and_sample(plan)
+        output.compressed = compressed
+        return output
+
+    def _compress(self, job: CompressJob) -> bool:
+        """kv_compression of one prompt (the backend's `compress_kv`); False (logged) when it failed."""
+        from tokenflow.runtime.paged_runner import SeqChunk
+
+        request = job.request
+        start = job.length - job.window
+        window = SeqChunk(request.all_token_ids[start:job.length], start, list(request.block_table), False)
+        try:
+            self.backend.compress_kv(window, job.table, job.keep, job.sinks)  # type: ignore[union-attr]
+        except Exception:
+            log.exception("kv_compression failed for %s; it keeps its whole prompt", request.request_id)
+            return False
+        return True
+
+    def _forward_and_sample(self, plan: StepPlan) -> StepOutput:
         backend = cast(StepBackend, self.backend)
         sampling = [c for c in plan.chunks if c.samples]
         constrained = [(j, c.request.constraint) for j, c in enumerate(sampling) if c.request.constraint is not None]

@@ -26,6 +26,11 @@ keeps the verified part of each draft and hands the sampled tokens to the
 output processor one by one, finishing the requests that end: the scheduler
 is the only part that changes scheduling state.
 
+With `kv_compression`, a running request whose long prompt is computed gets
+blocks for its kept positions and a `CompressJob` in the plan instead of its
+next chunk; the worker copies before the forward and `update_from_output`
+swaps the block table (`kv/compression.py`).
+
 With `speculative_tokens`, a decoding greedy request (while at most
 `speculative_max_seqs` run) gets a draft of guessed next tokens from n-gram
 lookup in its own context (`tokenflow.scheduler.ngram`), scheduled with
@@ -44,7 +49,9 @@ from typing import Any
 
 from tokenflow.config import EngineConfig
 from tokenflow.errors import InvalidRequest
+from tokenflow.kv.compression import PromptCompression
 from tokenflow.protocols import (
+    CompressJob,
     EngineContext,
     KVPool,
     ScheduledChunk,
@@ -94,6 +101,8 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
         self.num_tokens_taken = 0
+        # kv_compression: a long prompt's K/V compacted after its prefill (a job in the plan, committed here)
+        self.compression = PromptCompression(config) if config.kv_compression else None
 
     async def start(self, ctx: EngineContext) -> None:
         self.pool = ctx.pool
@@ -155,6 +164,11 @@ class Scheduler:
             self.pool.commit(request)  # blocks filled by the last step become shareable
             if self.window is not None:  # sliding attention: blocks behind the window are never read again
                 self.pool.trim(request, request.num_computed_tokens - self.window + 1, self.sink_tokens)
+            if self.compression is not None and self.compression.due(request):
+                job = self._compression_job(request)
+                if job is not None:  # this step compacts its prompt; it decodes on from the next
+                    plan.compressions.append(job)
+                    continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
@@ -220,6 +234,32 @@ class Scheduler:
                 self._release(other)
                 dropped = True
         return dropped
+
+    def _compression_job(self, request: Request) -> CompressJob | None:
+        """Blocks for the kept positions of `request`'s prompt and the job that fills them; None when the
+        pool has no room now (it is tried again next step)."""
+        assert self.compression is not None
+        length = request.num_computed_tokens
+        keep = self.compression.keep(length)
+        needed = self.pool.blocks_needed(keep)
+        if not self.pool.can_allocate(needed):
+            return None
+        return CompressJob(request, self.pool.allocate(needed), length, keep, self.compression.window,
+                           self.compression.sinks)
+
+    def _commit_compression(self, job: CompressJob, ran: bool) -> None:
+        """After the step: swap the request's block table for the compacted one, or give that one back."""
+        assert self.compression is not None
+        request = job.request
+        if not ran:
+            self.compression.failed.add(request)
+        if not ran or request.status is not RequestStatus.RUNNING or request.num_computed_tokens != job.length:
+            self.pool.free(job.table)  # failed, or preempted or ended meanwhile: its old table goes as usual
+            return
+        self.pool.replace_table(request, job.table)
+        request.num_dropped_tokens = job.length - job.keep
+        self.compression.num_compressed += 1
+        self.compression.tokens_dropped += job.length - job.keep
 
     def _draft(self, request: Request, budget: int) -> list[int]:
         """Guessed next tokens of a decoding request (n-gram lookup in its context), within the step's
@@ -328,6 +368,8 @@ class Scheduler:
         """Advance each chunk's computed tokens, keep the verified part of each draft, and hand the
         sampled tokens to `sink`; finish the requests that end."""
         result = StepResult()
+        for job, ran in zip(plan.compressions, output.compressed, strict=True):
+            self._commit_compression(job, ran)
         items: list[TokenItem] = []
         sampled = output.sampled
         j = 0  # index of the sampling chunk
@@ -394,6 +436,7 @@ class Scheduler:
             "schedule_us": round(self.last_schedule_us, 1),
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
+            **(self.compression.stats() if self.compression is not None else {}),
         }
 
 
