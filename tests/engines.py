@@ -29,8 +29,8 @@ async def running_engine(model: Any, **settings: Any) -> AsyncIterator[Engine]:
 
 
 def stage_of(engine: Engine, kind: type[S]) -> S:
-    """The engine's request stage of this class."""
-    return next(s for s in engine._stages if isinstance(s, kind))
+    """The engine's part of this class: a request stage, a KV tier, or its tokenizer."""
+    return next(s for s in [*engine._stages, *engine._tiers, engine._tokenizer] if isinstance(s, kind))
 
 
 async def until_idle(engine: Engine, limit_s: float = 10.0) -> dict[str, Any]:

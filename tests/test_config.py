@@ -25,17 +25,17 @@ def test_precedence_keywords_over_environment_over_file(tmp_path) -> None:
 
 def test_top_level_toml_and_config_file_from_environment(tmp_path) -> None:
     path = tmp_path / "tf.toml"
-    path.write_text('max_batch_tokens = 1024\nrequest_stages = ["tokenizer"]\n')
+    path.write_text('max_batch_tokens = 1024\nrequest_stages = ["redact"]\n')
     config = EngineConfig.load(environ={"TOKENFLOW_CONFIG": str(path)})
     assert config.max_batch_tokens == 1024
 
 
 def test_environment_lists_and_none() -> None:
-    env = {"TOKENFLOW_LENGTH_BUCKETS": "16, 64", "TOKENFLOW_REQUEST_STAGES": '["redact", "tokenizer"]',
+    env = {"TOKENFLOW_LENGTH_BUCKETS": "16, 64", "TOKENFLOW_REQUEST_STAGES": '["redact", "audit"]',
            "TOKENFLOW_MAX_MODEL_LEN": "none", "TOKENFLOW_SELF_CHECK": "false"}
     config = EngineConfig.load(environ=env)
     assert config.length_buckets == [16, 64]
-    assert config.request_stages == ["redact", "tokenizer"]
+    assert config.request_stages == ["redact", "audit"]
     assert config.max_model_len is None and config.self_check is False
 
 

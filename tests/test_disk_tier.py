@@ -131,8 +131,7 @@ async def test_requests_arriving_together_read_a_shared_prefix_once(tiny_model, 
                                                                     prefetcher) -> None:
     """Four requests on one warm 7-block prefix: one job reads it, the others wait for it and share it."""
     await warm_folder(tiny_model, tmp_path)
-    stages = {} if prefetcher else {"request_stages": ["breaker", "disk_tier", "tokenizer"]}
-    async with Engine(tiny_model, **settings(tmp_path, **stages)) as engine:
+    async with Engine(tiny_model, **settings(tmp_path, prefetch=prefetcher)) as engine:
         results = []
 
         async def run() -> None:
@@ -169,8 +168,7 @@ async def test_a_load_leaves_no_openmp_helpers_behind(real_model, tmp_path) -> N
 
 async def test_without_prefetcher_the_batcher_loads_on_admission(tiny_model, expected, tmp_path) -> None:
     await warm_folder(tiny_model, tmp_path)
-    stages = ["breaker", "disk_tier", "tokenizer"]
-    async with Engine(tiny_model, **settings(tmp_path, request_stages=stages)) as engine:
+    async with Engine(tiny_model, **settings(tmp_path, prefetch=False)) as engine:
         done = await engine.generate(PROMPT, max_tokens=8, temperature=0.0)
         stats = engine.stats()
     assert done.token_ids == expected["prompt"]
@@ -216,9 +214,8 @@ async def test_restored_prefixes_of_queued_requests_never_fail_the_queue(tiny_mo
     async with Engine(tiny_model, num_kv_blocks=256, cache_dir=str(tmp_path), **base) as engine:
         for p in prompts:
             await engine.generate(p, max_tokens=1, temperature=0.0)
-    stages = {} if prefetcher else {"request_stages": ["breaker", "disk_tier", "tokenizer"]}
-    async with Engine(tiny_model, num_kv_blocks=40, max_num_seqs=1, cache_dir=str(tmp_path), **base,
-                      **stages) as engine:
+    async with Engine(tiny_model, num_kv_blocks=40, max_num_seqs=1, cache_dir=str(tmp_path), prefetch=prefetcher,
+                      **base) as engine:
         _schedule_once_every_load_is_done(engine, len(prompts))
         results = [None] * len(prompts)
 

@@ -76,7 +76,7 @@ def _battery(longest_prompt: str) -> list[tuple[str, str, Callable[[Engine], Any
 async def test_hostile_battery_python_api(tiny_model) -> None:
     async with _engine(tiny_model) as engine:
         reference = await engine.generate(GOOD[0], **GOOD[1])
-        tokenizer_stage = engine._stages[2]
+        tokenizer_stage = engine._tokenizer
         longest = "tokenflow " * 400  # ~800+ tokens for a 256-token context, under max_prompt_chars
         assert len(longest) < engine.limits.max_prompt_chars
         gc.collect()
@@ -247,7 +247,7 @@ async def test_a_failed_start_stops_what_it_started(tiny_model, monkeypatch: pyt
 
     monkeypatch.setattr(registry, "load_stage", load_stage)
     engine = Engine(tiny_model, **BASE, cache_dir=None,
-                    request_stages=["breaker", "disk_tier", "tokenizer", "failing", "prefetcher"])
+                    request_stages=["failing"])
     with pytest.raises(RuntimeError, match="cannot reach"):
         await engine.start()
     assert engine.stats()["state"] == "new" and engine._model_thread is None  # model thread closed

@@ -12,18 +12,27 @@ from tokenflow.config import EngineConfig
 from tokenflow.errors import PluginError
 
 
-def test_builtins_are_registered_through_entry_points() -> None:
+def test_builtins_are_registered_through_entry_points_one_group_per_kind() -> None:
     found = {(p.group, p.name): p for p in registry.list_plugins()}
-    for key in [(registry.STAGES, "tokenizer"), (registry.STAGES, "batcher"),
-                (registry.BACKENDS, "paged"), (registry.BACKENDS, "hf")]:
+    for key in [(registry.SCHEDULERS, "scheduler"), (registry.SCHEDULERS, "batcher"), (registry.KV_POOLS, "token_pool"),
+                (registry.TIERS, "disk"), (registry.BACKENDS, "paged"), (registry.BACKENDS, "hf")]:
         assert key in found and found[key].builtin and found[key].origin.startswith("tokenflow-engine ")
+    assert not [p for p in registry.list_plugins(registry.STAGES) if p.builtin]  # stages: your middleware only
 
 
 def test_kinds_come_from_the_protocols() -> None:
     config = EngineConfig()
-    assert registry.kind_of(registry.load_stage("tokenizer", config)) == "request"
-    assert registry.kind_of(registry.load_stage("batcher", config)) == "loop"
+    assert registry.kind_of(registry.load_stage("redact", config)) == "request"
+    assert registry.kind_of(registry.load_scheduler("scheduler", config)) == "loop"
+    assert registry.kind_of(registry.load_tier("disk", config)) == "tier"
     assert registry.kind_of(registry.load_backend("paged", config)) == "backend"
+
+
+def test_a_scheduler_registered_the_old_way_is_found_with_a_warning(tmp_path, monkeypatch) -> None:
+    src = "from tokenflow.scheduler.scheduler import Scheduler\n\ndef create(config):\n    return Scheduler(config)\n"
+    _fake_distribution(tmp_path, monkeypatch, "old-sched", "oldsched = old_sched:create", src)
+    with pytest.warns(DeprecationWarning, match="tokenflow.schedulers"):
+        assert registry.kind_of(registry.load_scheduler("oldsched", EngineConfig())) == "loop"
 
 
 def test_third_party_stage_is_found_and_runs(tiny_model) -> None:
@@ -35,7 +44,7 @@ def test_third_party_stage_is_found_and_runs(tiny_model) -> None:
     import anyio
 
     async def run() -> str:
-        async with Engine(tiny_model, request_stages=["redact", "tokenizer"]) as engine:
+        async with Engine(tiny_model, request_stages=["redact"]) as engine:
             done = await engine.generate("mail alice@example.com now", max_tokens=2, temperature=0.0)
             assert engine.stats()["redacted_emails"] == 1
             return engine.loaded.tokenizer.decode(done.prompt_token_ids)
@@ -47,7 +56,7 @@ def test_allow_list_blocks_unlisted_third_party_plugins(monkeypatch) -> None:
     monkeypatch.setenv("TOKENFLOW_PLUGINS", "something-else")
     with pytest.raises(PluginError, match="TOKENFLOW_PLUGINS"):
         registry.load_stage("redact", EngineConfig())
-    registry.load_stage("tokenizer", EngineConfig())  # built-ins always load
+    registry.load_scheduler("scheduler", EngineConfig())  # built-ins always load
     monkeypatch.setenv("TOKENFLOW_PLUGINS", "redact")
     registry.load_stage("redact", EngineConfig())
 
@@ -81,7 +90,7 @@ def test_engine_start_fails_on_unknown_stage(tiny_model) -> None:
     import anyio
 
     async def run() -> None:
-        async with Engine(tiny_model, request_stages=["nope", "tokenizer"]):
+        async with Engine(tiny_model, request_stages=["nope"]):
             pass
 
     with pytest.raises(PluginError, match="no plugin named 'nope'"):
@@ -91,6 +100,6 @@ def test_engine_start_fails_on_unknown_stage(tiny_model) -> None:
 def test_cli_plugins_lists_kind_and_origin(capsys) -> None:
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
-    assert "tokenizer" in out and "request" in out and "batcher" in out and "loop" in out
+    assert "scheduler" in out and "loop" in out and "token_pool" in out and "disk" in out and "kv tier" in out
     assert "redact" in out and "tokenflow-redact 0.1.0" in out
     assert "paged" in out and "backend" in out

@@ -142,14 +142,14 @@ def _report(name: str, outcomes: dict[str, str]) -> None:
 async def test_fault_tokenizer_stage_fails_only_that_request(tiny_model) -> None:
     async with _engine(tiny_model) as engine:
         stage = stage_of(engine, TokenizerStage)
-        real = stage.handle
+        real = stage.prepare
 
-        async def flaky(request: Any, call_next: Any) -> None:
+        async def flaky(request: Any) -> None:
             if request.params.cache_salt == "poison":
                 raise RuntimeError("injected tokenizer fault")
-            await real(request, call_next)
+            await real(request)
 
-        stage.handle = flaky
+        stage.prepare = flaky
         calls = {f"good-{i}": engine.generate(f"good {i}", max_tokens=6, ignore_eos=True) for i in range(3)}
         calls["poison"] = engine.generate("poison", max_tokens=6, cache_salt="poison")
         outcomes = await _callers(calls)

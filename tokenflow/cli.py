@@ -253,7 +253,8 @@ def _plugins(args: argparse.Namespace) -> None:
             kind = _kind_of_factory(obj, info.group)
         except Exception as exc:
             status = f"error: {exc!r}"[:60]
-        group = {registry.STAGES: "stage", registry.BACKENDS: "backend", registry.POLICIES: "policy"}[info.group]
+        group = {registry.STAGES: "stage", registry.SCHEDULERS: "scheduler", registry.KV_POOLS: "kv pool",
+                 registry.TIERS: "kv tier", registry.BACKENDS: "backend", registry.POLICIES: "policy"}[info.group]
         rows.append((group, info.name, kind, info.origin, info.value, status))
     header = ("group", "name", "kind", "origin", "object", "status")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]

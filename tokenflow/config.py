@@ -8,6 +8,7 @@ import difflib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,10 +93,13 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     breaker_open_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
     breaker_probes: Positive = 2
     timeout: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
-    request_stages: list[str] = msgspec.field(
-        default_factory=lambda: ["breaker", "disk_tier", "tokenizer", "prefetcher"]
-    )
-    batcher: str = "batcher"
+    # your middleware on the request path, in order, after admission (queue bounds, breaker) and before the
+    # response cache and tokenizing, which the engine runs itself
+    request_stages: list[str] = msgspec.field(default_factory=list)
+    kv_tiers: list[str] = msgspec.field(default_factory=lambda: ["disk"])  # below the KV pool, in order
+    prefetch: bool = True  # load a queued request's cached prefix from the tiers as it is queued
+    scheduler: str = "scheduler"  # the step loop's scheduler (entry-point group `tokenflow.schedulers`)
+    batcher: str | None = None  # the old name of `scheduler`; when set, it wins (deprecated)
     kv_pool: str = "token_pool"
     prefix_caching: bool = True
     eviction_policy: str = "lfu_lru"
@@ -208,6 +212,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> EngineConfig:
+        values = _legacy_request_stages(values)
         unknown = [name for name in values if name not in cls.__struct_fields__]
         if unknown:
             raise ConfigError(f"unknown engine setting {unknown[0]!r}{did_you_mean(unknown[0], cls.__struct_fields__)}",
@@ -216,6 +221,30 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
             return msgspec.convert(dict(values), cls, strict=False)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"invalid engine setting: {exc}", field=_field_of(str(exc))) from None
+
+
+# request_stages entries that are the engine's own work since 0.2 (and the tier plugins it knows)
+_BUILTIN_STAGES = frozenset({"breaker", "tokenizer", "prefetcher", "disk_tier"})
+_LEGACY_TIERS = {"disk_tier": "disk", "redis_tier": "redis"}
+
+
+def _legacy_request_stages(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A `request_stages` list from before the engine ran its required path itself (`["breaker", "disk_tier",
+    "tokenizer", "prefetcher"]` and friends): keep only the user middleware, turn tier stages into
+    `kv_tiers`, and `prefetch` off when such a list left the prefetcher out. Warns once per config."""
+    stages = values.get("request_stages")
+    if not isinstance(stages, list) or not (set(stages) & (_BUILTIN_STAGES | set(_LEGACY_TIERS))):
+        return values
+    warnings.warn("request_stages lists the engine's own stages (breaker, disk_tier, tokenizer, prefetcher) or a "
+                  "tier stage: the engine runs its required path itself, request_stages is for your middleware "
+                  "only, and tiers go in kv_tiers; this list is read the old way for now",
+                  DeprecationWarning, stacklevel=4)
+    mapped = dict(values)
+    mapped["request_stages"] = [s for s in stages if s not in _BUILTIN_STAGES and s not in _LEGACY_TIERS]
+    mapped.setdefault("kv_tiers", [_LEGACY_TIERS[s] for s in stages if s in _LEGACY_TIERS])
+    if set(stages) & _BUILTIN_STAGES:
+        mapped.setdefault("prefetch", "prefetcher" in stages)
+    return mapped
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ from tokenflow.hub import resolve_model
 from tokenflow.kv.block_hash import model_key
 from tokenflow.limits import RequestLimits
 from tokenflow.output.processor import OutputProcessor, usage_of
+from tokenflow.output.stored_responses import ResponseStore, serving_key
 from tokenflow.params import STRUCTURED_FIELDS, Chunk, Completion, SamplingParams, ToolCall
 from tokenflow.progress import steps
 from tokenflow.protocols import EngineContext, NextStage
@@ -52,7 +54,9 @@ from tokenflow.runtime.loader import LoadedModel, load_model
 from tokenflow.runtime.model_thread import ModelThread
 from tokenflow.runtime.sampler import make_generator
 from tokenflow.runtime.worker import ModelWorker
-from tokenflow.stages.response_tier import serving_key
+from tokenflow.stages.breaker import BreakerStage
+from tokenflow.stages.prefetcher import prefetch
+from tokenflow.stages.response_cache import ResponseCacheStage
 from tokenflow.stages.tokenizer import TokenizerStage
 from tokenflow.step_loop import StepLoop
 from tokenflow.structured.grammar import GrammarCompiler, constraint_field
@@ -86,7 +90,8 @@ class Engine:
         self._loop: StepLoop | None = None
         self._background: BackgroundTask | None = None
         self._chain: NextStage | None = None
-        self._stages: list[Any] = []
+        self._stages: list[Any] = []  # the request path's chain: admission, the caller's middleware, responses
+        self._tiers: list[Any] = []  # KV tiers below the pool (`kv_tiers`)
         self._tokenizer: TokenizerStage | None = None  # the configured stage, else the engine's own
         self._started: list[Any] = []  # stages whose start() ran, in order: stopped at close or after a failed start
         self.scheduler: Any = None
@@ -163,19 +168,23 @@ class Engine:
         ctx.serving_key = await model_thread.run(
             serving_key, fingerprint, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, config
         )
-        stages = [registry.load_stage(name, config, kinds=("request",)) for name in config.request_stages]
-        scheduler = registry.load_stage(config.batcher, config, kinds=("loop",))
+        # The required path is the engine's own: admission (queue bounds, circuit breaker), the caller's
+        # middleware (`request_stages`), the response cache, then tokenizing and prefetching (`_enqueue`).
+        tiers = [registry.load_tier(name, config) for name in config.kv_tiers]
+        middleware = [registry.load_stage(name, config, kinds=("request",)) for name in config.request_stages]
+        if config.batcher is not None:
+            warnings.warn("the `batcher` setting is now `scheduler`", DeprecationWarning, stacklevel=2)
+        scheduler = registry.load_scheduler(config.batcher or config.scheduler, config)
         ctx.scheduler = scheduler
-        # Every text prompt is tokenized (and every prompt's ids checked) before it is queued: by the
-        # `tokenizer` stage where the config lists it, else by one the engine keeps for itself.
-        tokenizer = next((s for s in stages if isinstance(s, TokenizerStage)), None)
-        own = [] if tokenizer is not None else [TokenizerStage(config)]
-        self._tokenizer = tokenizer or own[0]
-        for stage in [*own, *stages, scheduler]:
-            self._started.append(stage)  # stopped after a failure, even a failure inside its own start()
-            if hasattr(stage, "start"):
-                await stage.start(ctx)
-        self._stages = stages
+        admission = BreakerStage(config)
+        responses = ResponseCacheStage(config, [t for t in tiers if isinstance(t, ResponseStore)])
+        self._tokenizer = TokenizerStage(config)
+        for part in [*tiers, admission, self._tokenizer, responses, *middleware, scheduler]:
+            self._started.append(part)  # stopped after a failure, even a failure inside its own start()
+            if hasattr(part, "start"):
+                await part.start(ctx)
+        self._stages = [admission, *middleware, responses]
+        self._tiers = tiers
         self.scheduler = scheduler
         self.ctx = ctx
         self.loaded = loaded
@@ -190,7 +199,7 @@ class Engine:
         worker = ModelWorker(backend, loaded, model_thread, cores)
         self._loop = StepLoop(worker, scheduler, self.output, ctx.observers, pool=ctx.pool,
                               debug_leaks=config.debug_leaks)
-        self._chain = _build_chain(stages, self._enqueue)
+        self._chain = _build_chain(self._stages, self._enqueue)
         self._background = spawn(self._loop.run, "tokenflow-step-loop")
         self._state = "running"
 
@@ -247,6 +256,7 @@ class Engine:
             self._last_stats = self.stats()
         self._loop = self._chain = self.scheduler = self._tokenizer = self.grammars = None
         self._stages = []
+        self._tiers = []
         self.ctx = None
         if self.loaded is not None:
             self.loaded.model = None
@@ -356,7 +366,7 @@ class Engine:
                                    "grammar_cache_hits": self.grammars.num_cache_hits}
             stats["device"] = str(self.loaded.device)
             stats.update(self._loop.stats())
-        for stage in self._stages:
+        for stage in [*self._stages, *self._tiers, *([self._tokenizer] if self._tokenizer else [])]:
             if hasattr(stage, "stats"):
                 stats.update(stage.stats())
         return stats
@@ -438,12 +448,15 @@ class Engine:
         return checked, choice, kwargs
 
     async def _enqueue(self, request: Request) -> None:
-        """The last link of the request path: tokenize the prompt if no stage did, and hand the request
-        to the step loop. A cancellation or a passed deadline whose timer has not fired yet is honoured
-        here, so a cancelled or expired request never reaches the model.
+        """The last link of the request path: tokenize the prompt, start loading its cached prefix from the
+        KV tiers (`prefetch`), and hand the request to the step loop. A cancellation or a passed deadline
+        whose timer has not fired yet is honoured here, so a cancelled or expired request never reaches
+        the model.
         """
         assert self._tokenizer is not None
         await self._tokenizer.prepare(request)
+        if self.config.prefetch:
+            prefetch(self.ctx.pool, request)
         await anyio.lowlevel.checkpoint_if_cancelled()
         if request.deadline is not None and anyio.current_time() >= request.deadline:
             raise TimeoutError  # `_results` turns it into DeadlineExceeded

@@ -4,19 +4,22 @@ A plugin imports from here (and the public `tokenflow` package) only; every othe
 and may change. Plugins register factories in entry-point groups, exactly as tokenflow's built-ins do
 in its own `pyproject.toml`; the registry gives each the kind of the contract its object satisfies.
 
-Extension points (each contract is documented on its class):
+Extension points (each contract is documented on its class), one entry-point group per kind:
 
-- `tokenflow.stages`, kind **request** — `RequestStage`: a middleware on the request path,
-  `async handle(request, call_next)`, optional `async start(ctx)` / `async stop()`. Listed by name in
-  the `request_stages` setting, run in that order. `ResponseTier` is the base of a stage that answers
-  deterministic requests from a store of whole responses.
-- `tokenflow.stages`, kind **loop** — `Scheduler` (the `batcher` setting): owns the waiting and running
-  queues and every request's scheduling state (`schedule`, `update_from_output`, `finish`, ...).
-  `StaticScheduler` adds `take_batch` for static backends.
-- `tokenflow.stages`, kind **memory** — `KVPool` (the `kv_pool` setting): the KV block pool's books,
-  built by the paged backend through `factory(config, num_blocks=, block_size=, model_key=, kv=)`.
-  `BlockTier` is the base of a tier below it (load jobs, write-behind, value checks);
-  `encode_block` / `decode_block` the block codec a tier stores (MAC'd, never pickled).
+- `tokenflow.stages` — `RequestStage`: your middleware on the request path, `async handle(request,
+  call_next)`, optional `async start(ctx)` / `async stop()`. Listed by name in the `request_stages`
+  setting, run in that order after the engine's admission (queue bounds, circuit breaker) and before its
+  response cache, tokenizing and prefetching, which are not plugins. (`ResponseTier` is the deprecated
+  base of a stage that answered from its own response store.)
+- `tokenflow.schedulers` — `Scheduler` (the `scheduler` setting): owns the waiting and running queues and
+  every request's scheduling state (`schedule`, `update_from_output`, `finish`, ...); optional
+  `RecoveringScheduler` hooks for device out-of-memory. `StaticScheduler` adds `take_batch` for static
+  backends.
+- `tokenflow.kv_pools` — `KVPool` (the `kv_pool` setting): the KV block pool's books, built by the paged
+  backend through `factory(config, num_blocks=, block_size=, model_key=, kv=)`.
+- `tokenflow.kv_tiers` — `KVTier` (the `kv_tiers` setting): a tier below the pool, built on `BlockTier`
+  (load jobs, write-behind, value checks); `encode_block` / `decode_block` the block codec it stores
+  (MAC'd, never pickled). A tier that keeps whole responses implements `ResponseStore` too.
 - `tokenflow.backends` — `StepBackend` (one step at a time) or `StaticBackend` (whole batches).
 - `tokenflow.eviction_policies` — `EvictionPolicy`: which cached block the pool gives up first.
 - Observers — `EngineObserver`: `on_step` and `on_request_end`, registered in `ctx.observers`.
@@ -55,12 +58,14 @@ from tokenflow.kv.tiers.disk_store import (
     mac_key,
     read_block,
 )
+from tokenflow.output.stored_responses import ResponseStore
 from tokenflow.params import Chunk, Completion, SamplingParams, TokenLogprob, Usage
 from tokenflow.protocols import (
     Batcher,
     EngineContext,
     EngineObserver,
     KVPool,
+    KVTier,
     ModelBackend,
     NextStage,
     PrefixHit,
@@ -90,8 +95,9 @@ from tokenflow.stages.response_tier import (
 __all__ = (
     "Batcher", "BlockKey", "BlockTier", "Chunk", "Completion", "ConfigError", "CorruptEntry", "DeadlineExceeded",
     "EngineClosed", "EngineConfig", "EngineContext", "EngineError", "EngineObserver", "EvictionPolicy",
-    "InvalidRequest", "KVPool", "ModelBackend", "ModelLoadError", "NextStage", "Overloaded", "PluginError",
-    "PrefixHit", "Request", "RequestSlot", "RequestStage", "RequestStatus", "ResponseTier", "SamplingParams",
+    "InvalidRequest", "KVPool", "KVTier", "ModelBackend", "ModelLoadError", "NextStage", "Overloaded", "PluginError",
+    "PrefixHit", "Request", "RequestSlot", "RequestStage", "RequestStatus", "ResponseStore", "ResponseTier",
+    "SamplingParams",
     "ScheduledChunk", "Scheduler", "StaticBackend", "StaticScheduler", "StepBackend", "StepOutput", "StepPlan",
     "StepResult", "StoredResponse", "TokenItem", "TokenLogprob", "TokenSink", "TokenflowError", "Usage",
     "block_keys", "completion_body", "decode_block", "decode_frame", "decode_response", "encode_block",

@@ -29,6 +29,7 @@ __all__ = (
     "EngineObserver",
     "GreedyTokens",
     "KVPool",
+    "KVTier",
     "ModelBackend",
     "NextStage",
     "PrefixHit",
@@ -336,6 +337,30 @@ class StaticBackend(ModelBackend, Protocol):
     static: bool
 
     def run_batch(self, requests: Sequence[Request], sampler: Any, on_tokens: Callable[..., None]) -> None: ...
+
+
+# -- KV tiers -------------------------------------------------------------------------------------
+@runtime_checkable
+class KVTier(Protocol):
+    """A tier below the KV pool (entry-point group `tokenflow.kv_tiers`, listed in the `kv_tiers` setting):
+    the disk tier, a plugin's shared store. Build it on `BlockTier` (load jobs, write-behind, value
+    checks): it provides everything here but `start` and `stop`.
+
+    - `async start(ctx)`: attach to `ctx.pool` (`BlockTier.attach`) or stay off; `async stop()`: flush.
+    - `prefetch(request) -> bool`: start loading a queued request's prefix (the engine calls it as the
+      request is queued, with `prefetch=True`); the pool calls `begin_load` and `poll` itself.
+    - `stats() -> dict`, merged into `Engine.stats()`.
+    A tier that also keeps whole responses implements `ResponseStore` (`output/stored_responses.py`).
+    """
+
+    name: str
+
+    async def start(self, ctx: EngineContext) -> None: ...
+    async def stop(self) -> None: ...
+    def prefetch(self, request: Request) -> bool: ...
+    def begin_load(self, request: Request, keys: list[Any]) -> bool: ...
+    def poll(self) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
 
 
 # -- the KV pool ----------------------------------------------------------------------------------

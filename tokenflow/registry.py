@@ -1,7 +1,10 @@
-"""Plugin discovery through entry points.
+"""Plugin discovery through entry points, one group per kind: request stages (`tokenflow.stages`, your
+middleware), schedulers (`tokenflow.schedulers`), KV pools (`tokenflow.kv_pools`), KV tiers
+(`tokenflow.kv_tiers`), backends (`tokenflow.backends`) and eviction policies.
 
-Built-in stages and backends are registered in tokenflow's own pyproject.toml
-exactly as a third party registers theirs, and load through this one path.
+Built-ins are registered in tokenflow's own pyproject.toml exactly as a third party registers theirs, and
+load through this one path. A scheduler or pool a plugin still registers in `tokenflow.stages` (where they
+all lived before) is found there too, with a deprecation warning.
 `TOKENFLOW_PLUGINS` is an allow-list of third-party entry-point names
 (comma-separated; empty or unset allows all, `none` allows none); built-ins
 always load.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
@@ -18,16 +22,19 @@ from typing import Any
 
 from tokenflow.errors import PluginError
 from tokenflow.kv.eviction import EvictionPolicy
-from tokenflow.protocols import KVPool, ModelBackend, RequestStage, Scheduler, StaticScheduler
+from tokenflow.protocols import KVPool, KVTier, ModelBackend, RequestStage, Scheduler, StaticScheduler
 
 __all__ = (
-    "BACKENDS", "POLICIES", "STAGES", "PluginInfo", "find", "list_plugins", "load_backend", "load_policy",
-    "load_pool", "load_stage",
+    "BACKENDS", "KV_POOLS", "POLICIES", "SCHEDULERS", "STAGES", "TIERS", "PluginInfo", "find", "list_plugins",
+    "load_backend", "load_policy", "load_pool", "load_scheduler", "load_stage", "load_tier",
 )
 
 STAGES = "tokenflow.stages"
+SCHEDULERS = "tokenflow.schedulers"
+KV_POOLS = "tokenflow.kv_pools"
 BACKENDS = "tokenflow.backends"
 POLICIES = "tokenflow.eviction_policies"
+TIERS = "tokenflow.kv_tiers"
 _BUILTIN_DIST = "tokenflow-engine"  # the distribution name of this package (the import name is tokenflow)
 
 # Which protocol makes which kind, checked in order.
@@ -38,6 +45,7 @@ _KINDS: tuple[tuple[str, type], ...] = (
     ("backend", ModelBackend),
     ("memory", KVPool),
     ("policy", EvictionPolicy),
+    ("tier", KVTier),
 )
 
 
@@ -71,7 +79,7 @@ def _allow_list() -> set[str] | None:
 def list_plugins(group: str | None = None) -> list[PluginInfo]:
     allowed = _allow_list()
     found: list[PluginInfo] = []
-    for grp in (group,) if group else (STAGES, BACKENDS, POLICIES):
+    for grp in (group,) if group else (STAGES, SCHEDULERS, KV_POOLS, TIERS, BACKENDS, POLICIES):
         for ep in sorted(entry_points(group=grp), key=lambda e: e.name):
             origin, builtin = _origin(ep)
             ok = builtin or allowed is None or ep.name in allowed
@@ -139,8 +147,14 @@ def _build(group: str, name: str, config: Any, expected: tuple[str, ...], **size
     return obj
 
 
-def load_stage(name: str, config: Any, *, kinds: tuple[str, ...] = ("request", "loop")) -> Any:
+def load_stage(name: str, config: Any, *, kinds: tuple[str, ...] = ("request",)) -> Any:
+    """A request stage (your middleware) from `tokenflow.stages`."""
     return _build(STAGES, name, config, kinds)
+
+
+def load_scheduler(name: str, config: Any) -> Any:
+    """The step loop's scheduler, from `tokenflow.schedulers` (the `scheduler` setting)."""
+    return _build(_group_of(SCHEDULERS, name), name, config, ("loop",))
 
 
 def load_backend(name: str, config: Any) -> Any:
@@ -148,10 +162,26 @@ def load_backend(name: str, config: Any) -> Any:
 
 
 def load_pool(name: str, config: Any, **sizes: Any) -> Any:
-    """A `memory` stage (the KV block pool): its factory also gets the pool's sizes as keywords."""
-    return _build(STAGES, name, config, ("memory",), **sizes)
+    """The KV block pool, from `tokenflow.kv_pools`: its factory also gets the pool's sizes as keywords."""
+    return _build(_group_of(KV_POOLS, name), name, config, ("memory",), **sizes)
+
+
+def _group_of(group: str, name: str) -> str:
+    """`group`, or `tokenflow.stages` for a plugin registered there the old way (with a warning)."""
+    if any(ep.name == name for ep in entry_points(group=group)):
+        return group
+    if any(ep.name == name for ep in entry_points(group=STAGES)):
+        warnings.warn(f"plugin {name!r} is registered in {STAGES!r}; register it in {group!r} (the old group is "
+                      "read for now)", DeprecationWarning, stacklevel=3)
+        return STAGES
+    return group
 
 
 def load_policy(name: str, config: Any) -> Any:
     """An eviction policy for the token pool, from the `tokenflow.eviction_policies` group."""
     return _build(POLICIES, name, config, ("policy",))
+
+
+def load_tier(name: str, config: Any) -> Any:
+    """A KV tier below the pool, from the `tokenflow.kv_tiers` group (the `kv_tiers` setting)."""
+    return _build(TIERS, name, config, ("tier",))

@@ -108,11 +108,10 @@ async def run_ttft(model: str, prefix_tokens: int, vocab: int, **settings: Any) 
             await _ttft(engine, busy)  # warm-up: first-call costs out of the way
             row("recompute (not cached)", *await _ttft(engine, prompt))
             row("pool hit", *await _ttft(engine, prompt))
-        no_prefetch = ["breaker", "disk_tier", "tokenizer"]
-        async with Engine(model, cache_dir=folder, request_stages=no_prefetch, **settings) as engine:
+        async with Engine(model, cache_dir=folder, prefetch=False, **settings) as engine:
             await _ttft(engine, busy)
             row("disk hit, no prefetch", *await _ttft(engine, prompt), note="loaded at admission")
-        async with Engine(model, cache_dir=folder, request_stages=no_prefetch, max_num_seqs=1, **settings) as engine:
+        async with Engine(model, cache_dir=folder, prefetch=False, max_num_seqs=1, **settings) as engine:
             await _ttft(engine, busy)
             row("disk hit, no prefetch, queued", *await _queued_ttft(engine, prompt, busy, 16),
                 note="behind a 16-token request")

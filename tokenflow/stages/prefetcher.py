@@ -1,16 +1,14 @@
-"""The `prefetcher` stage: start moving a queued request's cached prefix from lower tiers to the pool.
+"""Prefetching: start moving a queued request's cached prefix from the KV tiers to the pool.
 
-Placed after the tokenizer on the request path. When a request is queued, it
-hashes the prompt's full blocks; if the pool lacks a prefix, it asks the
-pool's lower tiers in order (disk first, then any plugin tier such as a
-shared remote store) and the first that may hold the next block starts a
-load job in its reader threads (`prefetch_concurrency`), so by the time the
-batcher gets to the request its blocks are resident, pinned for it until it
-is admitted or ends. A job still running when the batcher gets there counts
-as late (the request waits while others run); each tier's `stats()`
-reports both.
+The engine calls `prefetch` for every request it queues (with `prefetch=True`, after tokenizing). If the
+pool lacks a prefix of the prompt's full blocks, the pool's lower tiers are asked in order (disk first, then
+any plugin tier such as a shared remote store) and the first that may hold the next block starts a load job
+in its reader threads (`prefetch_concurrency`), so by the time the scheduler gets to the request its blocks
+are resident, pinned for it until it is admitted or ends. A job still running when the scheduler gets there
+counts as late (the request waits while others run); each tier's `stats()` reports both. Without it the
+scheduler starts the load when it first tries to admit the request.
 
-Without lower tiers or without prefix caching it passes requests straight on.
+`Prefetcher` is the old request stage of the same job, kept for configs that still list it.
 """
 
 from __future__ import annotations
@@ -21,7 +19,15 @@ from tokenflow.config import EngineConfig
 from tokenflow.protocols import EngineContext, NextStage
 from tokenflow.request import Request
 
-__all__ = ("Prefetcher", "create")
+__all__ = ("Prefetcher", "create", "prefetch")
+
+
+def prefetch(pool: Any, request: Request) -> bool:
+    """Start loading `request`'s prefix from the first of the pool's tiers that may have it; True when one did."""
+    tiers = getattr(pool, "lower_tiers", ())
+    if not tiers or not request.prompt_token_ids:
+        return False
+    return any(tier.prefetch(request) for tier in tiers)
 
 
 class Prefetcher:
@@ -32,11 +38,7 @@ class Prefetcher:
         self.pool = ctx.pool
 
     async def handle(self, request: Request, call_next: NextStage) -> None:
-        tiers = getattr(self.pool, "lower_tiers", ())
-        if tiers and request.prompt_token_ids:
-            for tier in tiers:
-                if tier.prefetch(request):
-                    break
+        prefetch(self.pool, request)
         await call_next(request)
 
 

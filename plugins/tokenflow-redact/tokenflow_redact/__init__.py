@@ -3,7 +3,8 @@ messages with `[email]` before tokenization.
 
 It uses nothing from tokenflow but the public request-stage contract: an
 object with `async def handle(request, call_next)`. Enable it with
-`Engine(..., request_stages=["redact", "tokenizer"])`.
+`Engine(..., request_stages=["redact"])`: the engine runs its middleware after admission and before the
+response cache and tokenizing.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The `redis_tier` stage in running engines: sharing across processes, and Redis faults that
+"""The `redis` KV tier in running engines: sharing across processes, and Redis faults that
 never fail a request. Outputs are checked against transformers' greedy `generate`."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from tokenflow import Engine
 from tokenflow.errors import ConfigError
-from tokenflow_redis import with_redis_tier
+from tokenflow_redis import KV_TIERS
 
 rng = random.Random(7)
 LONG = [rng.randrange(5, 500) for _ in range(300)]  # 18 full blocks of 16
@@ -28,7 +28,7 @@ MAX_TOKENS = 8
 
 def settings(urls: list[str], **tier) -> dict:
     return {
-        "max_num_seqs": 2, "max_batch_tokens": 64, "num_kv_blocks": 24, "request_stages": with_redis_tier(),
+        "max_num_seqs": 2, "max_batch_tokens": 64, "num_kv_blocks": 24, "kv_tiers": KV_TIERS,
         "plugin_settings": {"redis_tier": {"urls": urls, "secret": "replicas-share-this", **tier}},
     }
 

@@ -56,11 +56,11 @@ async def _ttft(engine: Any, prompt: str) -> tuple[float, Any]:
 async def _process(role: str, model: str, urls: list[str], words: int) -> dict[str, Any]:
     """One engine process: A computes the shared prompt, B measures hits against a recompute."""
     from tokenflow import Engine
-    from tokenflow_redis import with_redis_tier
+    from tokenflow_redis import KV_TIERS
 
     shared, fresh = _long_text(1, words) + QUESTION, _long_text(2, words) + QUESTION
     secret = os.environ[_SECRET_ENV]
-    settings = {"request_stages": with_redis_tier(),
+    settings = {"kv_tiers": KV_TIERS,
                 "plugin_settings": {"redis_tier": {"urls": urls, "secret": secret}}}
     rows: dict[str, Any] = {}
     async with Engine(model, **settings) as engine:

@@ -1,21 +1,20 @@
-"""The `redis_tier` stage: a KV-block tier and a response tier shared by every replica.
+"""The `redis` KV tier: KV blocks and whole responses shared by every replica.
 
-Put it after `disk_tier` in `request_stages`; the engine's own pool and disk
-stay in front of it (local first, then global):
-- KV blocks: the stage joins the token pool's lower tiers after the disk
+List it after `disk` in `kv_tiers` (`Engine(..., kv_tiers=["disk", "redis"])`); the engine's own pool
+and disk stay in front of it (local first, then global):
+- KV blocks: the tier joins the token pool's lower tiers after the disk
   tier. As blocks fill (`commit_listeners`) they are copied out and published
   by a writer thread (skipped when the store has them: another replica got
   there first); with `publish=False` only evicted blocks are. When a
   request's prefix continues past the pool and the disk, a load job fetches
-  the next blocks from Redis (the `prefetcher` starts it while the request is
+  the next blocks from Redis (the engine starts it while the request is
   queued) and restores them into the pool.
-- Responses: a deterministic request the engine's memory and disk did not
-  have is looked up in Redis and replayed on a hit; a completed one is
-  stored with a TTL.
+- Responses (a `ResponseStore`): a deterministic request the engine's memory and disk did not have is
+  looked up in Redis and replayed on a hit; a completed one is stored with a TTL.
 
 Settings come from `EngineConfig.plugin_settings["redis_tier"]` (see
 `RedisTierSettings`). Every value carries a MAC keyed by `secret` (else the
-engine's `cache_secret`): without one the stage refuses to start, since any
+engine's `cache_secret`): without one the tier refuses to start, since any
 client of the Redis could otherwise feed every replica. Response keys use the
 serving fingerprint (`EngineContext.serving_key`). Nothing here does network
 I/O on the event loop: the
@@ -35,7 +34,7 @@ import anyio.to_thread
 import msgspec
 import torch
 
-from tokenflow.plugin_api import BlockKey, BlockTier, ConfigError, EngineContext, ResponseTier, StoredResponse
+from tokenflow.plugin_api import BlockKey, BlockTier, ConfigError, EngineContext, StoredResponse
 from tokenflow_redis.store import RedisStore
 
 __all__ = ("RedisTier", "RedisTierSettings", "create")
@@ -60,14 +59,13 @@ class RedisTierSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     secret: str | None = None  # keys the values' MACs; every replica must share it (default: cache_secret)
 
 
-class RedisTier(ResponseTier, BlockTier):
-    """A response tier and a KV tier on the shared Redis nodes."""
+class RedisTier(BlockTier):
+    """A KV tier and a response store on the shared Redis nodes."""
 
     name = "redis"
 
     def __init__(self, config: Any) -> None:
-        BlockTier.__init__(self)
-        ResponseTier.__init__(self, config)
+        super().__init__()
         try:
             self.settings = msgspec.convert(
                 config.plugin_settings.get(STAGE_NAME, {}), RedisTierSettings, strict=False
@@ -94,7 +92,6 @@ class RedisTier(ResponseTier, BlockTier):
         )
         up = await anyio.to_thread.run_sync(self.store.ping)
         log.info("redis tier: %d/%d nodes answering (%s)", sum(up.values()), len(up), ", ".join(up))
-        self.start_responses(ctx)
         self.start_writer()
         self.attach(ctx.pool, s.readers)
 
@@ -156,7 +153,7 @@ class RedisTier(ResponseTier, BlockTier):
             while len(self._known) > KNOWN_KEYS:
                 self._known.popitem(last=False)
 
-    # -- the response tier -------------------------------------------------------------------
+    # -- the response store ------------------------------------------------------------------
     def might_answer(self, key: str) -> bool:
         return self.store is not None and self.store.available(key)
 
@@ -173,9 +170,6 @@ class RedisTier(ResponseTier, BlockTier):
             **super().stats(),
             "redis_blocks_published": self.blocks_written,
             "redis_publish_dropped": self.writes_dropped,
-            "redis_response_hits": self.response_hits,
-            "redis_response_misses": self.response_misses,
-            "redis_response_stores": self.response_stores,
         }
         if self.store is not None:
             stats.update(self.store.stats())

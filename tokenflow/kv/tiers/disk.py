@@ -1,7 +1,7 @@
-"""The `disk_tier` stage: KV blocks and whole responses on disk (diskcache).
+"""The `disk` KV tier: KV blocks and whole responses on disk (diskcache), under `cache_dir`.
 
-KV blocks. At start the stage attaches to the token pool as its first lower
-tier (`kv/tier.py` has the load-job machinery it shares with other tiers):
+KV blocks. At start the tier attaches to the token pool as a lower tier, in `kv_tiers` order
+(`kv/tiers/base.py` has the load-job machinery it shares with other tiers):
 - a cached block the pool evicts is copied out (one small copy, on the event
   loop, before the block is reused) and written by a writer thread; `stop()`
   (called by `Engine.aclose`) writes the pool's other blocks too, hottest
@@ -11,15 +11,11 @@ tier (`kv/tier.py` has the load-job machinery it shares with other tiers):
 - when a request's prefix continues on disk past what the pool holds, a load
   job reads those blocks in a reader thread and restores them into the pool.
 
-Responses (opt-in: `response_cache=True` or per request `cache_response`).
-On the request path, a deterministic request whose completion is stored (in
-memory, else on disk) is answered from it, replayed chunk by chunk, and never
-reaches the model; otherwise its chunks are recorded and stored when it
-completes. Keys use the serving fingerprint (`EngineContext.serving_key`);
-disk entries expire after `response_cache_ttl_s`.
+Responses (a `ResponseStore`): the engine's response cache (`stages/response_cache.py`) asks the disk after
+its memory; entries expire after `response_cache_ttl_s`.
 
-All storage checks and the I/O breaker live in `kv/disk_store.py`; without a
-`cache_dir` the stage keeps responses in memory only and has no KV tier.
+All storage checks and the I/O breaker live in `kv/tiers/disk_store.py`; without a `cache_dir` the tier
+stays off.
 """
 
 from __future__ import annotations
@@ -31,14 +27,15 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 import torch
 
 from tokenflow.config import EngineConfig
 from tokenflow.kv.block_hash import BlockKey
 from tokenflow.kv.tiers.base import BlockTier
 from tokenflow.kv.tiers.disk_store import DiskStore
+from tokenflow.output.stored_responses import StoredResponse, decode_response
 from tokenflow.protocols import EngineContext
-from tokenflow.stages.response_tier import ResponseCache, ResponseTier, StoredResponse
 
 __all__ = ("DiskTier", "create")
 
@@ -49,21 +46,20 @@ READ_AHEAD = 8  # blocks of one load job read at once
 READ_THREADS = 2
 
 
-class DiskTier(ResponseTier, BlockTier):
-    """Both a response tier (request path) and a KV tier (below the prefix cache), on one folder."""
+class DiskTier(BlockTier):
+    """A KV tier below the pool and a store of whole responses, on one folder."""
 
     name = "disk"
 
     def __init__(self, config: EngineConfig) -> None:
-        BlockTier.__init__(self)
-        ResponseTier.__init__(self, config)
+        super().__init__()
+        self.config = config
         self.store: DiskStore | None = None
-        self.responses = ResponseCache(config.response_cache_size, config.response_cache_ttl_s)
         self.load_timeout_s = config.tier_load_timeout_s
         self._block_readers: ThreadPoolExecutor | None = None  # a load job's block reads, side by side
+        self.response_hits = 0
 
     async def start(self, ctx: EngineContext) -> None:
-        self.start_responses(ctx)
         if not self.config.cache_dir:
             return
         config = self.config
@@ -89,21 +85,24 @@ class DiskTier(ResponseTier, BlockTier):
             await anyio.to_thread.run_sync(self.store.resync)
             await anyio.to_thread.run_sync(self.store.close)
 
-    # -- the response tier -------------------------------------------------------------------
+    # -- the response store --------------------------------------------------------------------
+    def might_answer(self, key: str) -> bool:
+        return self.store is not None and self.store.available
+
     async def lookup_response(self, key: str) -> StoredResponse | None:
-        """Memory first, then the disk (a disk hit is promoted to memory; a bad entry deleted)."""
-        stored = self.responses.get_memory(key)
-        if stored is None and self.store is not None and self.store.available:
-            raw = await anyio.to_thread.run_sync(self.store.get_response, key)
-            stored = self.responses.decode_disk(key, raw)
-            if stored is None and raw is not None:
-                await anyio.to_thread.run_sync(self.store.delete_response, key)
+        """The disk's entry under `key`, checked (a bad entry is deleted)."""
+        assert self.store is not None
+        raw = await anyio.to_thread.run_sync(self.store.get_response, key)
+        stored = None if raw is None else decode_response(raw)
+        if stored is None and raw is not None:
+            await anyio.to_thread.run_sync(self.store.delete_response, key)
+        self.response_hits += stored is not None
         return stored
 
     def store_response(self, key: str, stored: StoredResponse) -> None:
-        raw = self.responses.encode(key, stored)
         if self.writer is not None and self.store is not None:
-            self.writer.submit(self.store.put_response, key, raw, self.config.response_cache_ttl_s)
+            self.writer.submit(self.store.put_response, key, msgspec.json.encode(stored),
+                               self.config.response_cache_ttl_s)
 
     # -- the KV tier ----------------------------------------------------------------------
     def on_evict(self, block: int, key: BlockKey) -> None:
@@ -159,9 +158,7 @@ class DiskTier(ResponseTier, BlockTier):
             **super().stats(),
             "disk_blocks_written": self.blocks_written,
             "disk_writes_dropped": self.writes_dropped,
-            **self.responses.stats(),
-            "response_cache_misses": self.response_misses,
-            "response_cache_stores": self.response_stores,
+            "response_cache_disk_hits": self.response_hits,
         }
         if self.store is not None:
             stats.update(self.store.stats())
