@@ -44,7 +44,7 @@ from tokenflow.output.processor import OutputProcessor, usage_of
 from tokenflow.output.stored_responses import ResponseStore, serving_key
 from tokenflow.params import STRUCTURED_FIELDS, Chunk, Completion, SamplingParams, ToolCall
 from tokenflow.progress import steps
-from tokenflow.protocols import EngineContext, NextStage
+from tokenflow.protocols import CompressingBackend, EngineContext, NextStage
 from tokenflow.request import Request, Wakeup
 from tokenflow.runtime.cpu.core_share import CoreSharing
 from tokenflow.runtime.cpu.malloc_tuning import return_freed_memory
@@ -160,7 +160,7 @@ class Engine:
         )
         backend = registry.load_backend(config.backend, config)
         await model_thread.run(backend.load, ctx, loaded.model)
-        if config.kv_compression and (ctx.pool is None or not hasattr(backend, "compress_kv")):
+        if config.kv_compression and (ctx.pool is None or not isinstance(backend, CompressingBackend)):
             log.warning("kv_compression needs a backend that compresses its KV (`paged`); it is off")
             config = self.config = msgspec.structs.replace(config, kv_compression=None)
         if ctx.pool is not None:

@@ -22,8 +22,10 @@ if TYPE_CHECKING:
     from tokenflow.request import Request
 
 __all__ = (
+    "OPTIONAL_HOOKS",
     "Batcher",
     "CompressJob",
+    "CompressingBackend",
     "DeviceOutOfMemory",
     "EngineContext",
     "EngineObserver",
@@ -33,19 +35,25 @@ __all__ = (
     "ModelBackend",
     "NextStage",
     "PrefixHit",
+    "RecoveringScheduler",
     "RequestStage",
     "RowFailure",
     "SamplerOutput",
     "ScheduledChunk",
     "Scheduler",
+    "ShrinkableBackend",
+    "ShrinkablePool",
     "StaticBackend",
     "StaticScheduler",
     "StepBackend",
     "StepOutput",
     "StepPlan",
     "StepResult",
+    "TieredPool",
     "TokenItem",
     "TokenSink",
+    "WarmingBackend",
+    "hooks_missing",
     "notify_request_end",
 )
 
@@ -379,28 +387,28 @@ class PrefixHit:
 
 @runtime_checkable
 class KVPool(Protocol):
-    """The KV block pool (kind `memory`, the `kv_pool` setting; `token_pool` is the prefix cache),
-    built by the paged backend with `factory(config, num_blocks=, block_size=, model_key=, kv=)`.
+    """The KV block pool (entry-point group `tokenflow.kv_pools`, the `kv_pool` setting; `token_pool` is the
+    prefix cache), built by the paged backend with `factory(config, num_blocks=, block_size=, model_key=,
+    kv=)`. Everything here is called by the built-in scheduler; a pool that lacks any of it is refused when
+    it is registered, naming what is missing.
 
-    The scheduler reserves blocks with `can_allocate` / `allocate`; admits a request with
+    The scheduler reserves blocks with `can_allocate` / `allocate` / `free`; admits a request with
     `lookup_prefix` (a query: the resident prefix it may share, or None while a lower tier loads it)
     then, once it fits, `take_prefix` (references those blocks and starts the request after them, at
     `request.num_computed_tokens`; a partial hit also gives the request its next block, holding the
     copied rows: the scheduler allocates what the block table still lacks);
-    reports computed blocks with `commit` and returns everything with `release`.
+    reports computed blocks with `commit` and returns everything with `release` (its block table and the
+    blocks a tier restored for it while it was queued). `trim` frees the blocks sliding attention no
+    longer reads; `replace_table` swaps in a kv-compressed copy. `num_used` / `num_free` are counts of
+    referenced and free blocks (cached ones are neither).
 
-    Tiers below the pool (the disk tier, a plugin's shared store) build on `BlockTier` and use the
-    prefix cache's public hooks: `lower_tiers` (asked in order for a prefix past the resident
-    blocks), `evict_listeners` and `commit_listeners` (`(block, key)`, on the event loop),
-    `kv.read_block` / `kv.write_block`, `restore(key, data, request)`, `prefix_keys(request)`,
-    `resident_prefix(keys)`, `hashed_blocks()`.
-
-    Optional: `truncate(num_blocks)` gives up the ids from `num_blocks` on after repeated device
-    out-of-memory (the step loop preempts their holders first); a pool without it keeps its size.
+    Tiers below the pool (`KVTier`) need a `TieredPool`; device out-of-memory recovery a `ShrinkablePool`.
     """
 
     num_blocks: int
     block_size: int
+    num_used: int
+    num_free: int
 
     def can_allocate(self, n: int) -> bool: ...
     def allocate(self, n: int) -> list[int]: ...
@@ -410,4 +418,89 @@ class KVPool(Protocol):
     def take_prefix(self, request: Request, hit: PrefixHit) -> None: ...
     def commit(self, request: Request) -> None: ...
     def release(self, request: Request) -> None: ...
+    def trim(self, request: Request, keep_from: int, sink_tokens: int) -> int: ...
+    def replace_table(self, request: Request, table: list[int]) -> None: ...
     def stats(self) -> dict[str, Any]: ...
+
+
+# -- optional hooks: each set is all or nothing, checked once when its plugin is loaded ------------------
+@runtime_checkable
+class TieredPool(Protocol):
+    """A pool KV tiers can sit below (`token_pool`): `prefix_caching` and `kv` (the `KVCache`), the tiers in
+    order (`lower_tiers`), listeners told of evicted and filled blocks (`(block, key)`, on the event loop),
+    `restore(key, data, request)` to install a loaded block (pinned for a queued request), and the
+    queries tiers use: `prefix_keys(request)`, `resident_prefix(keys)`, `hashed_blocks()`,
+    `hottest_blocks()` (what to write first when the engine closes)."""
+
+    prefix_caching: bool
+    kv: Any
+    lower_tiers: list[Any]
+    evict_listeners: list[Any]
+    commit_listeners: list[Any]
+
+    def restore(self, key: Any, data: Any, request: Request | None) -> bool: ...
+    def prefix_keys(self, request: Request) -> list[Any]: ...
+    def resident_prefix(self, keys: list[Any]) -> list[int]: ...
+    def hashed_blocks(self) -> Any: ...
+    def hottest_blocks(self) -> list[tuple[int, Any]]: ...
+
+
+@runtime_checkable
+class ShrinkablePool(Protocol):
+    """A pool that can give up the ids from `num_blocks` on after repeated device out-of-memory (their
+    holders preempted first, cached blocks evicted); without it the pool keeps its size."""
+
+    def truncate(self, num_blocks: int) -> None: ...
+
+
+@runtime_checkable
+class RecoveringScheduler(Protocol):
+    """A scheduler that makes steps smaller after the device ran out of memory: `shrink(plan) -> bool`
+    (False: that request cannot run even alone), `oom_recovered()` (a step ran after shrinking),
+    `oom_gave_up()` (the request that failed alone took the shrinking with it), and
+    `vacate_blocks_from(num_blocks) -> int` (preempt the holders of blocks past it, for a pool shrink).
+    Without these a step that runs out of memory fails its requests."""
+
+    def shrink(self, plan: StepPlan) -> bool: ...
+    def oom_recovered(self) -> None: ...
+    def oom_gave_up(self) -> None: ...
+    def vacate_blocks_from(self, num_blocks: int) -> int: ...
+
+
+@runtime_checkable
+class ShrinkableBackend(Protocol):
+    """A backend that frees the KV memory of blocks from `num_blocks` on (model thread)."""
+
+    def shrink_kv(self, num_blocks: int) -> None: ...
+
+
+@runtime_checkable
+class CompressingBackend(Protocol):
+    """A backend that runs `kv_compression` copies (model thread): score `window`'s keys over the blocks of
+    its table, copy the `keep` kept prompt positions (and `sinks`) into `table`."""
+
+    def compress_kv(self, window: Any, table: list[int], keep: int, sinks: int) -> None: ...
+
+
+@runtime_checkable
+class WarmingBackend(Protocol):
+    """A backend that names the decode batch sizes worth a warm-up (`warmup=True`); else one."""
+
+    def warmup_batch_sizes(self) -> list[int]: ...
+
+
+# The optional hook sets of each plugin kind (the registry's kind names).
+OPTIONAL_HOOKS: dict[str, tuple[type, ...]] = {
+    "memory": (TieredPool, ShrinkablePool),
+    "loop": (RecoveringScheduler,),
+    "backend": (ShrinkableBackend, CompressingBackend, WarmingBackend),
+}
+
+
+def hooks_missing(obj: Any, protocol: type) -> list[str]:
+    """The members of `protocol` that `obj` lacks, when it has some of them (a partial set: most likely a
+    misspelled hook, which would otherwise never be called); [] when it has all or none."""
+    members = [n for n in dir(protocol) if not n.startswith("_")] + list(getattr(protocol, "__annotations__", {}))
+    members = sorted(set(members))
+    have = [n for n in members if hasattr(obj, n)]
+    return [n for n in members if not hasattr(obj, n)] if have and len(have) < len(members) else []

@@ -22,7 +22,16 @@ from typing import Any
 
 from tokenflow.errors import PluginError
 from tokenflow.kv.eviction import EvictionPolicy
-from tokenflow.protocols import KVPool, KVTier, ModelBackend, RequestStage, Scheduler, StaticScheduler
+from tokenflow.protocols import (
+    OPTIONAL_HOOKS,
+    KVPool,
+    KVTier,
+    ModelBackend,
+    RequestStage,
+    Scheduler,
+    StaticScheduler,
+    hooks_missing,
+)
 
 __all__ = (
     "BACKENDS", "KV_POOLS", "POLICIES", "SCHEDULERS", "STAGES", "TIERS", "PluginInfo", "find", "list_plugins",
@@ -144,6 +153,11 @@ def _build(group: str, name: str, config: Any, expected: tuple[str, ...], **size
         )
     if kind == "request" and not inspect.iscoroutinefunction(obj.handle):
         raise PluginError(f"entry point {group}:{name}: `handle` must be an async method")
+    for hooks in OPTIONAL_HOOKS.get(kind or "", ()):  # all or none of each set: a misspelled hook is never called
+        missing = hooks_missing(obj, hooks)
+        if missing:
+            raise PluginError(f"entry point {group}:{name} = {ep.value!r} implements part of the optional "
+                              f"{hooks.__name__} hooks but not {', '.join(missing)} (misspelled?)")
     return obj
 
 

@@ -36,8 +36,11 @@ from tokenflow.protocols import (
     DeviceOutOfMemory,
     EngineObserver,
     KVPool,
+    RecoveringScheduler,
     RowFailure,
     Scheduler,
+    ShrinkableBackend,
+    ShrinkablePool,
     StaticScheduler,
     StepPlan,
     notify_request_end,
@@ -75,6 +78,8 @@ class StepLoop:
         self._prune_at = 64
         self.worker = worker
         self.scheduler = scheduler
+        # out-of-memory recovery, where the scheduler has its hooks (checked here, once)
+        self._recovering = scheduler if isinstance(scheduler, RecoveringScheduler) else None
         self.pool = pool
         self.output = output
         self.static = worker.static
@@ -176,8 +181,7 @@ class StepLoop:
         try:
             output = await self.worker.step(plan)
         except DeviceOutOfMemory as exc:  # a smaller step, before failing anyone
-            shrink = getattr(scheduler, "shrink", None)
-            if shrink is not None and shrink(plan):
+            if self._recovering is not None and self._recovering.shrink(plan):
                 self.num_oom_recoveries += 1
                 self._oom_streak += 1
                 log.warning("out of memory in a step of %d tokens; shrinking the batch: %s", plan.num_tokens, exc)
@@ -196,7 +200,8 @@ class StepLoop:
         self.num_steps += 1
         if self._oom_streak:
             self._oom_streak = 0
-            getattr(scheduler, "oom_recovered", lambda: None)()
+            if self._recovering is not None:
+                self._recovering.oom_recovered()
         for request, first, entries in output.prompt_logprobs:  # positions not yet scored (a recompute repeats them)
             have = len(request.prompt_logprobs)
             request.prompt_logprobs.extend(entries[max(0, have - 1 - first):])
@@ -285,16 +290,15 @@ class StepLoop:
         """Free the KV memory of the pool's last blocks: their holders are preempted (they recompute),
         cached ones are evicted (tiers copy them out), then the backend frees the memory."""
         pool = self.pool
-        truncate = getattr(pool, "truncate", None)
-        vacate = getattr(self.scheduler, "vacate_blocks_from", None)
-        if pool is None or not hasattr(self.worker.backend, "shrink_kv") or truncate is None or vacate is None:
+        if (not isinstance(pool, ShrinkablePool) or not isinstance(self.worker.backend, ShrinkableBackend)
+                or self._recovering is None):
             return
         target = max(pool.num_blocks - int(pool.num_blocks * KV_SHRINK_FRACTION), self._kv_floor, 1)
         if target >= pool.num_blocks:
             return
-        vacate(target)
+        self._recovering.vacate_blocks_from(target)
         before = pool.num_blocks
-        truncate(target)
+        pool.truncate(target)
         await self.worker.shrink_kv(target)
         self.num_kv_pool_shrinks += 1
         log.warning("out of memory again: the KV pool gave %d of its %d blocks back", before - target, before)
@@ -313,7 +317,8 @@ class StepLoop:
             error.__cause__ = exc
             log.error("%s", error)
             self._fail(request, error)
-        getattr(self.scheduler, "oom_gave_up", lambda: None)()
+        if self._recovering is not None:
+            self._recovering.oom_gave_up()
 
     def _step_failed(self, requests: list[Request], exc: Exception, what: str = "the model step") -> None:
         self._failures += 1

@@ -37,7 +37,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ("EvictionPolicy", "LFULRUPolicy", "LRUPolicy", "create_lfu_lru", "create_lru")
+__all__ = ("EvictionPolicy", "LFULRUPolicy", "LRUPolicy", "RankingPolicy", "create_lfu_lru", "create_lru")
 
 
 @runtime_checkable
@@ -48,6 +48,13 @@ class EvictionPolicy(Protocol):
     def evict(self) -> int: ...
     def forget(self, block: int) -> None: ...
     def __len__(self) -> int: ...
+
+
+@runtime_checkable
+class RankingPolicy(Protocol):
+    """Optional: `ranked(blocks)`, most worth keeping first (a shutdown flush writes them in that order)."""
+
+    def ranked(self, blocks: Iterable[int]) -> list[int]: ...
 
 
 class _HeapPolicy(abc.ABC):

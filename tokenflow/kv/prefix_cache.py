@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenflow.kv.block_hash import BlockKey, block_keys, prefix_root
 from tokenflow.kv.block_pool import BlockPool, OutOfBlocks
+from tokenflow.kv.eviction import RankingPolicy
 from tokenflow.protocols import PrefixHit
 
 if TYPE_CHECKING:
@@ -309,9 +310,8 @@ class PrefixCache(BlockPool):
         (any order for a policy without one). A flush with a time budget writes them in this order."""
         used = [b for b in self._key_of if self._ref_count[b] > 0]
         cached = [b for b in self._key_of if self._ref_count[b] == 0]
-        ranked = getattr(self.policy, "ranked", None)
-        if ranked is not None:
-            used, cached = ranked(used), ranked(cached)
+        if isinstance(self.policy, RankingPolicy):
+            used, cached = self.policy.ranked(used), self.policy.ranked(cached)
         return [(b, self._key_of[b]) for b in [*used, *cached]]
 
     def evict_all(self) -> int:

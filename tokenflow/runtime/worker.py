@@ -20,16 +20,19 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from tokenflow.protocols import (
+    CompressingBackend,
     CompressJob,
     DeviceOutOfMemory,
     GreedyTokens,
     RowFailure,
     SamplerOutput,
     ScheduledChunk,
+    ShrinkableBackend,
     StaticBackend,
     StepBackend,
     StepOutput,
     StepPlan,
+    WarmingBackend,
 )
 from tokenflow.request import Request
 from tokenflow.runtime.cpu.core_share import CoreSharing
@@ -85,15 +88,13 @@ class ModelWorker:
 
     async def shrink_kv(self, num_blocks: int) -> bool:
         """Free the KV memory past `num_blocks` (False: the backend cannot)."""
-        shrink = getattr(self.backend, "shrink_kv", None)
-        if shrink is None:
+        if not isinstance(self.backend, ShrinkableBackend):
             return False
-        await self.model_thread.run(shrink, num_blocks)
+        await self.model_thread.run(self.backend.shrink_kv, num_blocks)
         return True
 
     def warmup_batch_sizes(self) -> list[int]:
-        sizes = getattr(self.backend, "warmup_batch_sizes", None)
-        return list(sizes()) if sizes is not None else [1]
+        return list(self.backend.warmup_batch_sizes()) if isinstance(self.backend, WarmingBackend) else [1]
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {
@@ -128,7 +129,9 @@ class ModelWorker:
         start = job.length - job.window
         window = SeqChunk(request.all_token_ids[start:job.length], start, list(request.block_table), False)
         try:
-            self.backend.compress_kv(window, job.table, job.keep, job.sinks)  # type: ignore[union-attr]
+            if not isinstance(self.backend, CompressingBackend):
+                raise TypeError(f"{type(self.backend).__name__} has no compress_kv")
+            self.backend.compress_kv(window, job.table, job.keep, job.sinks)
         except Exception:
             log.exception("kv_compression failed for %s; it keeps its whole prompt", request.request_id)
             return False

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenflow.config import EngineConfig
-from tokenflow.protocols import EngineContext, NextStage
+from tokenflow.protocols import EngineContext, NextStage, TieredPool
 from tokenflow.request import Request
 
 __all__ = ("Prefetcher", "create", "prefetch")
@@ -24,10 +24,9 @@ __all__ = ("Prefetcher", "create", "prefetch")
 
 def prefetch(pool: Any, request: Request) -> bool:
     """Start loading `request`'s prefix from the first of the pool's tiers that may have it; True when one did."""
-    tiers = getattr(pool, "lower_tiers", ())
-    if not tiers or not request.prompt_token_ids:
+    if not isinstance(pool, TieredPool) or not pool.lower_tiers or not request.prompt_token_ids:
         return False
-    return any(tier.prefetch(request) for tier in tiers)
+    return any(tier.prefetch(request) for tier in pool.lower_tiers)
 
 
 class Prefetcher:

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from tokenflow.kv.block_hash import BlockKey
+from tokenflow.protocols import TieredPool
 from tokenflow.request import Request, RequestSlot, RequestStatus
 from tokenflow.runtime.cpu.openmp_team import release_openmp_team
 
@@ -101,7 +102,7 @@ class BlockTier(abc.ABC):
 
     def attach(self, pool: Any, readers: int) -> bool:
         """Join `pool` as its next lower tier; False (and nothing done) when it has no prefix cache."""
-        if not getattr(pool, "prefix_caching", False) or getattr(pool, "kv", None) is None:
+        if not isinstance(pool, TieredPool) or not pool.prefix_caching or pool.kv is None:
             return False
         self.pool = pool
         kv = pool.kv

@@ -123,7 +123,7 @@ class DiskTier(BlockTier):
         first, until `deadline` (time.monotonic())."""
         store = self.store
         assert store is not None
-        for block, key in getattr(self.pool, "hottest_blocks", self.pool.hashed_blocks)():
+        for block, key in self.pool.hottest_blocks():
             if not store.available or time.monotonic() >= deadline:
                 return
             if not store.has_block(key) and store.put_block(key, self.pool.kv.read_block(block).to("cpu")):
