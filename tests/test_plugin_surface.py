@@ -83,8 +83,8 @@ async def test_a_third_party_pool_passes_the_oracle(tiny_model, third_party, ora
                       debug_leaks=True) as engine:
         outputs = await run_concurrently(engine, prompts, max_tokens=24, stagger_s=0.01)
         stats = engine.stats()
-    assert stats["plain_pool_allocations"] > 0 and stats["kv_blocks_used"] == 0
-    assert stats["num_preemptions"] > 0  # 48 blocks for 10 prompts of up to 325 tokens: the pool ran out
+    assert stats["kv_blocks_used"] == 0
+    assert stats["plain_pool_allocations"] > 48  # 10 prompts of up to 325 tokens in 48 blocks: blocks were reused
     assert outputs == expected
 
 

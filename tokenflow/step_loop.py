@@ -354,7 +354,7 @@ class StepLoop:
             self._die(KVLeakError(message))
 
     def stats(self) -> dict[str, Any]:
-        stats = {
+        stats: dict[str, Any] = {
             "num_steps": self.num_steps,
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,

@@ -235,7 +235,7 @@ class ModelWorker:
         out = []
         for j, token in enumerate(targets.tolist()):
             entry = {token: chosen[j]}
-            if top_i is not None:
+            if top_i is not None and top_v is not None:
                 entry.update(zip(top_i[j].tolist(), top_v[j].tolist(), strict=True))
                 entry[token] = chosen[j]
             out.append(entry)

@@ -47,7 +47,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tokenflow.config import EngineConfig
+from tokenflow.config import DEFAULT_BATCH_TOKENS, EngineConfig
 from tokenflow.errors import InvalidRequest
 from tokenflow.kv.compression import PromptCompression
 from tokenflow.protocols import (
@@ -78,7 +78,7 @@ class Scheduler:
     """Continuous batching over the paged KV cache (and static batches for the `hf` backend)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.max_batch_tokens = config.max_batch_tokens
+        self.max_batch_tokens: int = config.max_batch_tokens or DEFAULT_BATCH_TOKENS["cpu"]
         self.max_num_seqs = config.max_num_seqs  # hard limit; lowered for good after a device OOM
         self._limits_before_oom: tuple[int, int] | None = None  # (seqs, tokens) when an OOM streak began
         self.seq_limit = config.max_num_seqs  # adaptive: drops to what fits after a preemption, regrows
@@ -107,6 +107,12 @@ class Scheduler:
     async def start(self, ctx: EngineContext) -> None:
         self.pool = ctx.pool
         self.max_model_len = ctx.max_model_len
+
+    @property
+    def kv(self) -> KVPool:
+        """The KV pool: step scheduling runs only with a paged backend, which has one."""
+        assert self.pool is not None, "step scheduling needs a paged backend's KV pool"
+        return self.pool
 
     def queue_key(self, request: Request) -> float | tuple[int, float]:
         """Place in the waiting queue. With aging, one priority level is worth `priority_aging_s`
@@ -161,9 +167,9 @@ class Scheduler:
         for request in sorted(self.running, key=_order):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            self.pool.commit(request)  # blocks filled by the last step become shareable
+            self.kv.commit(request)  # blocks filled by the last step become shareable
             if self.window is not None:  # sliding attention: blocks behind the window are never read again
-                self.pool.trim(request, request.num_computed_tokens - self.window + 1, self.sink_tokens)
+                self.kv.trim(request, request.num_computed_tokens - self.window + 1, self.sink_tokens)
             if self.compression is not None and self.compression.due(request):
                 job = self._compression_job(request)
                 if job is not None:  # this step compacts its prompt; it decodes on from the next
@@ -179,7 +185,7 @@ class Scheduler:
             plan.chunks.append(ScheduledChunk(request, num_new, draft))
             scheduled.add(id(request))
             budget -= num_new
-        pool = self.pool
+        pool = self.kv
         if self.seq_limit < self.max_num_seqs and pool.num_used < self.low_watermark * pool.num_blocks:
             self.seq_limit += 1  # memory is easy again: let the batch grow back, one sequence per step
         limit = min(self.max_num_seqs, self.seq_limit)
@@ -209,7 +215,7 @@ class Scheduler:
                     # its blocks): fail it rather than hang.
                     self.waiting.pop(i)
                     plan.rejected.append((request, InvalidRequest(
-                        f"request needs {needed} KV blocks but only {self.pool.num_free} exist", field="prompt")))
+                        f"request needs {needed} KV blocks but only {self.kv.num_free} exist", field="prompt")))
                     continue
                 break
             self.waiting.pop(i)
@@ -241,10 +247,10 @@ class Scheduler:
         assert self.compression is not None
         length = request.num_computed_tokens
         keep = self.compression.keep(length)
-        needed = self.pool.blocks_needed(keep)
-        if not self.pool.can_allocate(needed):
+        needed = self.kv.blocks_needed(keep)
+        if not self.kv.can_allocate(needed):
             return None
-        return CompressJob(request, self.pool.allocate(needed), length, keep, self.compression.window,
+        return CompressJob(request, self.kv.allocate(needed), length, keep, self.compression.window,
                            self.compression.sinks)
 
     def _commit_compression(self, job: CompressJob, ran: bool) -> None:
@@ -254,9 +260,9 @@ class Scheduler:
         if not ran:
             self.compression.failed.add(request)
         if not ran or request.status is not RequestStatus.RUNNING or request.num_computed_tokens != job.length:
-            self.pool.free(job.table)  # failed, or preempted or ended meanwhile: its old table goes as usual
+            self.kv.free(job.table)  # failed, or preempted or ended meanwhile: its old table goes as usual
             return
-        self.pool.replace_table(request, job.table)
+        self.kv.replace_table(request, job.table)
         request.num_dropped_tokens = job.length - job.keep
         self.compression.num_compressed += 1
         self.compression.tokens_dropped += job.length - job.keep
@@ -275,17 +281,17 @@ class Scheduler:
         if request.constraint is not None:
             draft = valid_draft(request.constraint, draft)
         if draft:
-            needed = self.pool.blocks_needed(request.num_kv_tokens + 1 + len(draft)) - len(request.block_table)
-            if needed > 0 and not self.pool.can_allocate(needed + len(self.running)):
+            needed = self.kv.blocks_needed(request.num_kv_tokens + 1 + len(draft)) - len(request.block_table)
+            if needed > 0 and not self.kv.can_allocate(needed + len(self.running)):
                 return []
         return draft
 
     def _reserve(self, request: Request, num_new: int, plan: StepPlan, scheduled: set[int]) -> bool:
         """Give `request` blocks for `num_new` more tokens, preempting others if needed."""
-        needed = self.pool.blocks_needed(request.num_kv_tokens + num_new) - len(request.block_table)
-        if needed > 0 and not self.pool.can_allocate(needed):
+        needed = self.kv.blocks_needed(request.num_kv_tokens + num_new) - len(request.block_table)
+        if needed > 0 and not self.kv.can_allocate(needed):
             self._unpin_waiting()  # queued prefixes give way before a running request is preempted
-        while needed > 0 and not self.pool.can_allocate(needed):
+        while needed > 0 and not self.kv.can_allocate(needed):
             victim = self._pick_victim()
             if victim is None or victim is request:  # it is the worst placed itself: it yields
                 self._preempt(request, plan)
@@ -295,7 +301,7 @@ class Scheduler:
                 scheduled.discard(id(victim))
             self._preempt(victim, plan)
         if needed > 0:
-            request.block_table.extend(self.pool.allocate(needed))
+            request.block_table.extend(self.kv.allocate(needed))
         return True
 
     def _pick_victim(self) -> Request | None:
