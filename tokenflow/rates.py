@@ -1,12 +1,14 @@
-"""Per-second rates over a sliding time window (recent throughput for stats and retry-after hints)."""
+"""Per-second rates over a sliding time window (recent throughput for stats and retry-after hints), and
+the recent decode step times by batch size."""
 
 from __future__ import annotations
 
 import collections
+import statistics
 import time
 from collections.abc import Callable
 
-__all__ = ("RateWindow",)
+__all__ = ("DecodeStepTimes", "RateWindow")
 
 
 class RateWindow:
@@ -38,3 +40,19 @@ class RateWindow:
         events = self._events
         while events and now - events[0][0] > self.window_s:
             self._total -= events.popleft()[1]
+
+
+class DecodeStepTimes:
+    """The last `keep` decode-only steps' (step, forward) milliseconds per batch size, as medians."""
+
+    def __init__(self, keep: int = 256) -> None:
+        self.keep = keep
+        self._times: dict[int, collections.deque[tuple[float, float]]] = {}
+
+    def add(self, batch: int, step_ms: float, forward_ms: float) -> None:
+        self._times.setdefault(batch, collections.deque(maxlen=self.keep)).append((step_ms, forward_ms))
+
+    def medians(self) -> dict[int, dict[str, float]]:
+        return {size: {"step": round(statistics.median(s for s, _ in times), 2),
+                       "forward": round(statistics.median(f for _, f in times), 2), "count": len(times)}
+                for size, times in sorted(self._times.items())}

@@ -21,9 +21,7 @@ request that it dropped mid-schedule.
 
 from __future__ import annotations
 
-import collections
 import logging
-import statistics
 import time
 from typing import Any
 
@@ -31,21 +29,18 @@ import anyio
 import anyio.from_thread
 
 from tokenflow.errors import EngineError
+from tokenflow.out_of_memory import OutOfMemoryRecovery
 from tokenflow.output.processor import OutputProcessor
 from tokenflow.protocols import (
     DeviceOutOfMemory,
     EngineObserver,
     KVPool,
-    RecoveringScheduler,
     RowFailure,
     Scheduler,
-    ShrinkableBackend,
-    ShrinkablePool,
     StaticScheduler,
-    StepPlan,
     notify_request_end,
 )
-from tokenflow.rates import RateWindow
+from tokenflow.rates import DecodeStepTimes, RateWindow
 from tokenflow.request import Request, RequestStatus
 from tokenflow.runtime.worker import ModelWorker
 
@@ -54,10 +49,6 @@ __all__ = ("MAX_CONSECUTIVE_FAILURES", "KVLeakError", "StepLoop")
 log = logging.getLogger("tokenflow")
 
 MAX_CONSECUTIVE_FAILURES = 3
-# A second out-of-memory step in a row gives the device a quarter of the KV pool back, once per streak,
-# never below half of the pool the engine started with.
-KV_SHRINK_FRACTION = 0.25
-KV_SHRINK_FLOOR = 0.5
 
 
 class KVLeakError(RuntimeError):
@@ -78,8 +69,7 @@ class StepLoop:
         self._prune_at = 64
         self.worker = worker
         self.scheduler = scheduler
-        # out-of-memory recovery, where the scheduler has its hooks (checked here, once)
-        self._recovering = scheduler if isinstance(scheduler, RecoveringScheduler) else None
+        self.out_of_memory = OutOfMemoryRecovery(scheduler, pool, worker)
         self.pool = pool
         self.output = output
         self.static = worker.static
@@ -93,14 +83,9 @@ class StepLoop:
         self.num_finished = 0
         self.num_aborted = 0
         self.num_failed = 0
-        self.num_oom_recoveries = 0
-        self.num_oom_failures = 0  # requests that ran out of memory even alone
-        self._oom_streak = 0  # out-of-memory steps since the last step that ran
-        self.num_kv_pool_shrinks = 0
-        self._kv_floor = int(pool.num_blocks * KV_SHRINK_FLOOR) if pool is not None else 0
         self.last_step_ms = 0.0
         self._tokens = RateWindow()  # generated tokens, for tokens/s
-        self._decode_step_ms: dict[int, collections.deque[tuple[float, float]]] = {}
+        self._decode_steps = DecodeStepTimes()  # decode-only steps' times by batch size, for stats
 
     @property
     def backend(self) -> Any:
@@ -180,16 +165,12 @@ class StepLoop:
         started = time.perf_counter()
         try:
             output = await self.worker.step(plan)
-        except DeviceOutOfMemory as exc:  # a smaller step, before failing anyone
-            if self._recovering is not None and self._recovering.shrink(plan):
-                self.num_oom_recoveries += 1
-                self._oom_streak += 1
-                log.warning("out of memory in a step of %d tokens; shrinking the batch: %s", plan.num_tokens, exc)
-                if self._oom_streak == 2:  # the failure repeats: the KV pool gives memory back too
-                    await self._shrink_kv_pool()
-                return
-            self._notify_step(time.perf_counter() - started, False)
-            self._out_of_memory_alone(plan, exc)
+        except DeviceOutOfMemory as exc:  # a smaller step, before failing anyone (`out_of_memory.py`)
+            failed = await self.out_of_memory.recover(plan, exc)
+            if failed:  # its size, not an engine fault: not counted towards the engine's death
+                self._notify_step(time.perf_counter() - started, False)
+                for request, error in failed:
+                    self._fail(request, error)
             return
         except Exception as exc:
             self._notify_step(time.perf_counter() - started, False)
@@ -198,10 +179,7 @@ class StepLoop:
         self._notify_step(time.perf_counter() - started, True)
         self._failures = 0
         self.num_steps += 1
-        if self._oom_streak:
-            self._oom_streak = 0
-            if self._recovering is not None:
-                self._recovering.oom_recovered()
+        self.out_of_memory.step_ran()
         for request, first, entries in output.prompt_logprobs:  # positions not yet scored (a recompute repeats them)
             have = len(request.prompt_logprobs)
             request.prompt_logprobs.extend(entries[max(0, have - 1 - first):])
@@ -211,8 +189,7 @@ class StepLoop:
         self._ended(result.finished, result.num_tokens)
         self.last_step_ms = (time.perf_counter() - started) * 1e3
         if plan.chunks and plan.num_tokens == len(plan.chunks) and not plan.compressions:  # decode-only: by batch
-            recent = self._decode_step_ms.setdefault(len(plan.chunks), collections.deque(maxlen=256))
-            recent.append((self.last_step_ms, self.worker.last_forward_ms))
+            self._decode_steps.add(len(plan.chunks), self.last_step_ms, self.worker.last_forward_ms)
 
     async def _run_static_batch(self) -> None:
         scheduler = self.scheduler
@@ -286,40 +263,6 @@ class StepLoop:
             except Exception:  # an observer's bug must not stop the loop (or skip the other observers)
                 log.exception("observer %r failed in on_step", observer)
 
-    async def _shrink_kv_pool(self) -> None:
-        """Free the KV memory of the pool's last blocks: their holders are preempted (they recompute),
-        cached ones are evicted (tiers copy them out), then the backend frees the memory."""
-        pool = self.pool
-        if (not isinstance(pool, ShrinkablePool) or not isinstance(self.worker.backend, ShrinkableBackend)
-                or self._recovering is None):
-            return
-        target = max(pool.num_blocks - int(pool.num_blocks * KV_SHRINK_FRACTION), self._kv_floor, 1)
-        if target >= pool.num_blocks:
-            return
-        self._recovering.vacate_blocks_from(target)
-        before = pool.num_blocks
-        pool.truncate(target)
-        await self.worker.shrink_kv(target)
-        self.num_kv_pool_shrinks += 1
-        log.warning("out of memory again: the KV pool gave %d of its %d blocks back", before - target, before)
-
-    def _out_of_memory_alone(self, plan: StepPlan, exc: DeviceOutOfMemory) -> None:
-        """The step ran out of memory with nothing left to shrink: its request cannot run even alone. It
-        fails with an EngineError saying so; this is its size, not an engine fault, so it does not count
-        towards the engine's death, and the limits shrunk for it come back."""
-        self.num_oom_failures += 1
-        self._oom_streak = 0
-        for chunk in plan.chunks:
-            request = chunk.request
-            error = EngineError(f"out of memory running request {request.request_id} alone "
-                                f"({request.num_tokens} tokens, {plan.num_tokens} in its step); lower its prompt "
-                                f"or max_tokens, or give the device more memory: {exc}")
-            error.__cause__ = exc
-            log.error("%s", error)
-            self._fail(request, error)
-        if self._recovering is not None:
-            self._recovering.oom_gave_up()
-
     def _step_failed(self, requests: list[Request], exc: Exception, what: str = "the model step") -> None:
         self._failures += 1
         log.error("%s failed (%d in a row): %r", what, self._failures, exc)
@@ -359,18 +302,12 @@ class StepLoop:
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
             "num_failed": self.num_failed,
-            "num_oom_recoveries": self.num_oom_recoveries,
-            "num_oom_failures": self.num_oom_failures,
-            "num_kv_pool_shrinks": self.num_kv_pool_shrinks,
+            **self.out_of_memory.stats(),
             "step_time_ms": round(self.last_step_ms, 2),
             "tokens_per_s": round(self._tokens.rates()[1], 1),
             "dead": self.dead,
         }
-        stats["decode_step_ms_by_batch"] = {
-            size: {"step": round(statistics.median(s for s, _ in times), 2),
-                   "forward": round(statistics.median(f for _, f in times), 2), "count": len(times)}
-            for size, times in sorted(self._decode_step_ms.items())
-        }
+        stats["decode_step_ms_by_batch"] = self._decode_steps.medians()
         stats.update(self.scheduler.stats())
         stats.update(self.worker.stats())
         return stats

@@ -31,7 +31,7 @@ def _runner(name: str = "llama", num_blocks: int = 96) -> tuple[PagedModelRunner
     runner = PagedModelRunner(model, cache)
     assert runner.fused is not None
     runner.graphs = DecodeGraphs(runner.fused, cache, batch_sizes=[1, 2, 4, 8], max_model_len=512,
-                                 scratch_block=num_blocks, capture=False)
+                                 scratch_block=num_blocks, capture=False, attention=runner.attention)
     return runner, BlockPool(num_blocks, BLOCK), ref
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenflow.runtime.attention.paged import masked_gqa_attention
+from tokenflow.runtime.attention.layer import masked_gqa_attention
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 2), (8, 1)])

@@ -55,9 +55,7 @@ class _TimedResidual:
 
 
 def _install(runner: Any, timer: _PartTimer) -> None:
-    """Time the runner's fused loop part by part (attention through the module's `attend`)."""
-    from tokenflow.runtime import fused_layers
-
+    """Time the runner's fused loop part by part (attention through the runner's `LayerAttention`)."""
     fused = runner.fused
     for layer in fused.layers:
         for name in ("qkv", "o", "gate_up", "down"):
@@ -69,7 +67,8 @@ def _install(runner: Any, timer: _PartTimer) -> None:
         layer.input_norm = timer.wrap("norms", layer.input_norm)
         layer.post_norm = timer.wrap("norms", layer.post_norm)
     fused._logits = timer.wrap("head", fused._logits)  # the final norm and the head, or the greedy head
-    fused_layers.attend = timer.wrap("attention", fused_layers.attend)
+    cache = runner.kv_cache
+    runner._attention[cache.quantized] = timer.wrap("attention", runner.attention_for(cache))
 
 
 @contextlib.contextmanager
@@ -87,19 +86,12 @@ def _linears(runner: Any, kernel: str, c_loop: Any) -> Iterator[None]:
         runner.fused.native_layers = None
 
 
-def _uninstall_attention(original: Callable[..., Any]) -> None:
-    from tokenflow.runtime import fused_layers
-
-    fused_layers.attend = original
-
-
 def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[dict[str, Any]]:
     """Rows of (case, linears kernel, step ms and ms per part) for one dtype."""
     from transformers import AutoModelForCausalLM
 
     from tokenflow.kv.block_pool import BlockPool
     from tokenflow.kv.kv_cache import KVCache
-    from tokenflow.runtime import fused_layers
     from tokenflow.runtime.cpu.rms_norm import fuse_rms_norms
     from tokenflow.runtime.gated_mlp import inplace_gated_mlps
     from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
@@ -130,38 +122,34 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
         "prefill 512 after 300": [SeqChunk(ids(512, 17, 90), 300, prefill_table, True)],
     }
     timer = _PartTimer()
-    original_attend = fused_layers.attend
     c_loop, runner.fused.native_layers = runner.fused.native_layers, None  # parts are timed in the Python loop
     _install(runner, timer)
     rows = []
-    try:
-        for case, chunks in cases.items():
-            kernels = ["few-rows", "oneDNN"]
-            if c_loop is not None and case.startswith("decode"):
-                kernels += ["C loop"] + (["C+greedy"] if runner.fused.greedy_head is not None else [])
-            samples: dict[str, list[dict[str, float]]] = {kernel: [] for kernel in kernels}
-            for _ in range(2):  # warm both
-                for kernel in samples:
-                    with _linears(runner, kernel, c_loop):
-                        runner.execute(chunks, greedy=kernel == "C+greedy")
-            for _ in range(repeats):
-                for kernel in samples:
-                    with _linears(runner, kernel, c_loop):
-                        timer.seconds.clear()
-                        started = time.perf_counter()
-                        runner.execute(chunks, greedy=kernel == "C+greedy")
-                        step = time.perf_counter() - started
-                    parts = {k: v * 1e3 for k, v in timer.seconds.items()}
-                    parts["rest"] = step * 1e3 - sum(parts.values())
-                    parts["step"] = step * 1e3
-                    samples[kernel].append(parts)
-            for kernel, runs in samples.items():
-                label = "post-ops" if kernel == "few-rows" and case.startswith("prefill") else kernel
-                row = {"dtype": str(dtype).removeprefix("torch."), "case": case, "linears_kernel": label}
-                for key in ("step", "linears", "head", "attention", "norms", "rest"):
-                    timed = not kernel.startswith("C") or key in ("step", "head")  # the head runs after the loop
-                    row[f"{key}_ms"] = round(statistics.median(r.get(key, 0.0) for r in runs), 2) if timed else None
-                rows.append(row)
-    finally:
-        _uninstall_attention(original_attend)
+    for case, chunks in cases.items():
+        kernels = ["few-rows", "oneDNN"]
+        if c_loop is not None and case.startswith("decode"):
+            kernels += ["C loop"] + (["C+greedy"] if runner.fused.greedy_head is not None else [])
+        samples: dict[str, list[dict[str, float]]] = {kernel: [] for kernel in kernels}
+        for _ in range(2):  # warm both
+            for kernel in samples:
+                with _linears(runner, kernel, c_loop):
+                    runner.execute(chunks, greedy=kernel == "C+greedy")
+        for _ in range(repeats):
+            for kernel in samples:
+                with _linears(runner, kernel, c_loop):
+                    timer.seconds.clear()
+                    started = time.perf_counter()
+                    runner.execute(chunks, greedy=kernel == "C+greedy")
+                    step = time.perf_counter() - started
+                parts = {k: v * 1e3 for k, v in timer.seconds.items()}
+                parts["rest"] = step * 1e3 - sum(parts.values())
+                parts["step"] = step * 1e3
+                samples[kernel].append(parts)
+        for kernel, runs in samples.items():
+            label = "post-ops" if kernel == "few-rows" and case.startswith("prefill") else kernel
+            row = {"dtype": str(dtype).removeprefix("torch."), "case": case, "linears_kernel": label}
+            for key in ("step", "linears", "head", "attention", "norms", "rest"):
+                timed = not kernel.startswith("C") or key in ("step", "head")  # the head runs after the loop
+                row[f"{key}_ms"] = round(statistics.median(r.get(key, 0.0) for r in runs), 2) if timed else None
+            rows.append(row)
     return rows

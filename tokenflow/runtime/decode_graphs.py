@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenflow.kv.kv_cache import KVCache
+from tokenflow.runtime.attention.layer import LayerAttention
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, sdpa_backends
 from tokenflow.runtime.attention.static_decode import StaticDecode
 
@@ -63,9 +64,10 @@ class DecodeGraphs:
 
     def __init__(
         self, decoder: FusedDecoder, kv_cache: KVCache, *, batch_sizes: list[int], max_model_len: int,
-        scratch_block: int, capture: bool,
+        scratch_block: int, capture: bool, attention: LayerAttention,
     ) -> None:
         self.decoder = decoder
+        self.attention = attention  # the runner's (KV write + the fixed-shape decode)
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.batch_sizes = sorted(batch_sizes)
@@ -153,6 +155,7 @@ class DecodeGraphs:
         meta = PagedAttentionMetadata(
             kv_cache=self.kv_cache, slot_mapping=self.slots[:rows], num_tokens=rows, max_context=keys,
             decodes=(), prefills=(), static_decode=StaticDecode(self.table[:rows, :blocks], mask),
+            attention=self.attention,
         )
         ids, positions = self.ids[:rows].view(1, rows), self.positions[:rows].view(1, rows)
         with sdpa_backends(self.kv_cache.device):

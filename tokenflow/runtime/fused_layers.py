@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenflow.runtime.attention.paged import PagedAttentionMetadata, attend
+from tokenflow.runtime.attention.paged import PagedAttentionMetadata
 from tokenflow.runtime.cpu.decode_layers import DecodeLayerWeights, NativeDecodeLayers
 from tokenflow.runtime.cpu.few_rows_linear import FEW_ROWS, FewRowsLinear, few_rows_linear
 from tokenflow.runtime.cpu.greedy_head import greedy_head_for
@@ -279,6 +279,8 @@ class FusedDecoder:
             self.native_layers.run(h, cos, sin, meta)  # the loop below, in C
             return self._logits(h.index_select(0, logits_to_keep), greedy)
         last = len(self.layers) - 1
+        attention = meta.attention
+        assert attention is not None
         for index, layer in enumerate(self.layers):
             qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
             if native is not None:  # the same roundings as the torch ops below, in one pass, in place
@@ -291,7 +293,7 @@ class FusedDecoder:
                 qk = qk * cos + rotated * sin  # [T, H + KVH, D]
                 q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, k_end:].view(t, kv_heads, d)
-            out = attend(index, q, k, v, meta, layer.scale)  # [T, H, D]
+            out = attention(index, q, k, v, meta, layer.scale)  # [T, H, D]
             if index == last:
                 # Past the last layer's attention only the sampled rows are read (its K/V are written): a
                 # prefill chunk's other rows skip the output projection and MLP. Rows are row-wise from here.

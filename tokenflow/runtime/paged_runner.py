@@ -25,6 +25,7 @@ import torch
 
 from tokenflow.errors import ModelLoadError
 from tokenflow.kv.kv_cache import KVCache
+from tokenflow.runtime.attention.layer import LayerAttention, choose_attention
 from tokenflow.runtime.attention.paged import (
     ATTENTION_NAME,
     META_KWARG,
@@ -150,6 +151,19 @@ def _rope_inv_freq(model: torch.nn.Module) -> torch.Tensor:
     raise ModelLoadError(f"{type(model).__name__} has no rotary embedding: sliding attention needs RoPE")
 
 
+def _check_cache_matches(model: torch.nn.Module, kv_cache: KVCache) -> None:
+    """The cache's geometry, dtype and device must be the model's."""
+    geometry = KVCache.geometry(model.config)
+    ours = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim)
+    if geometry != ours:
+        raise ModelLoadError(f"KV cache geometry (layers, kv_heads, head_dim)={ours} does not match the model's "
+                             f"{geometry}")
+    param = next(model.parameters())
+    if param.dtype != kv_cache.dtype or param.device != kv_cache.device:
+        raise ModelLoadError(f"model is {param.dtype} on {param.device}, the KV cache is {kv_cache.dtype} on "
+                             f"{kv_cache.device}: they must match")
+
+
 @contextlib.contextmanager
 def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
     """Temporarily run `model` with another attention implementation."""
@@ -183,18 +197,7 @@ class PagedModelRunner:
         pack_weights: bool = True,
     ) -> None:
         check_model_supported(model, max_model_len)
-        geometry = KVCache.geometry(model.config)
-        if geometry != (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim):
-            ours = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim)
-            raise ModelLoadError(
-                f"KV cache geometry (layers, kv_heads, head_dim)={ours} does not match the model's {geometry}"
-            )
-        param = next(model.parameters())
-        if param.dtype != kv_cache.dtype or param.device != kv_cache.device:
-            raise ModelLoadError(
-                f"model is {param.dtype} on {param.device}, "
-                f"the KV cache is {kv_cache.dtype} on {kv_cache.device}: they must match"
-            )
+        _check_cache_matches(model, kv_cache)
         self.model = model.eval()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -213,6 +216,7 @@ class PagedModelRunner:
         # table); over an int8 cache its fp32 form, dequantising as it packs the keys.
         self.native_prefill = self.native is not None and (
             torch.float32 if kv_cache.quantized else kv_cache.dtype) in self.native.prefill_dtypes
+        self._attention: dict[bool, LayerAttention] = {}  # by cache kind (int8 or not): see `attention_for`
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window
         self.sinks = sinks
@@ -242,6 +246,12 @@ class PagedModelRunner:
         self.fused = fused_decoder_for(model, pack=pack_weights, few_rows=fast, post_ops=fast,
                                        native=self.native) if fused_layers else None
         self.graphs: DecodeGraphs | None = None  # decode-only steps at fixed shapes (set by the backend)
+        self._switch_to_paged_attention(self_check)
+
+    def _switch_to_paged_attention(self, self_check: bool) -> None:
+        """Make the model call tokenflow's attention for good, and check it against the model's own;
+        a model that refuses is left as it came, so that a caller can fall back to the `hf` backend."""
+        model = self.model
         register()
         try:
             model.set_attn_implementation(ATTENTION_NAME)
@@ -250,11 +260,24 @@ class PagedModelRunner:
             if self_check:
                 self.self_check()
         except Exception as e:
-            # Leave a refused model as it came, so that a caller can fall back to the `hf` backend.
             model.set_attn_implementation(self._reference_attention)
             if isinstance(e, ModelLoadError):
                 raise
             raise ModelLoadError(f"cannot switch {type(model).__name__} to paged attention: {e}") from e
+
+    @property
+    def attention(self) -> LayerAttention:
+        """The attention variants for this runner's KV cache."""
+        return self.attention_for(self.kv_cache)
+
+    def attention_for(self, cache: KVCache) -> LayerAttention:
+        """The attention variants for `cache` (`attention/layer.py`), chosen once per kind of cache (the
+        self-check runs over a float cache of its own beside an int8 one)."""
+        found = self._attention.get(cache.quantized)
+        if found is None:
+            found = self._attention[cache.quantized] = choose_attention(
+                cache, self.native, matmul=self.matmul_attention, native_prefill=self.native_prefill)
+        return found
 
     # ------------------------------------------------------------------ step
     def execute(self, chunks: Sequence[SeqChunk], greedy: bool = False) -> torch.Tensor | GreedyTokens:
@@ -307,9 +330,8 @@ class PagedModelRunner:
             sliding=tuple(windowed),
             rope_inv_freq=self.rope_inv_freq,
             topk=tuple(topk),
-            matmul_attention=self.matmul_attention,
+            attention=self.attention_for(kv_cache),
             native=self.native,
-            native_prefill=self.native_prefill,
         )
         return PackedStep(
             input_ids=torch.tensor([rows.ids], dtype=torch.long, device=self.device),

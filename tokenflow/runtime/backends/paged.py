@@ -224,6 +224,7 @@ class PagedBackend:
         self.runner.graphs = DecodeGraphs(
             self.runner.fused, kv_cache, batch_sizes=decode_buckets(self.config.max_num_seqs),
             max_model_len=ctx.max_model_len, scratch_block=self.scratch_block, capture=capture,
+            attention=self.runner.attention,
         )
         if not capture:
             return
