@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -38,12 +39,21 @@ from tokenflow.progress import StageBar
 from tokenflow.runtime.cpu.features import cpu_flags
 from tokenflow.runtime.cpu.openmp_team import loaded_libgomp_paths
 
-__all__ = ("FLAGS", "NativeKernels", "load_library", "load_native_kernels")
+__all__ = ("FLAGS", "NativeKernels", "isa_restricted", "load_library", "load_native_kernels")
 
 log = logging.getLogger("tokenflow")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+# `TOKENFLOW_KERNEL_CFLAGS` adds flags (shell words) after these: e.g. "-mno-avx512f" builds the AVX2 branches
+# on an AVX-512 host, "-mno-avx2 -mno-avx512f" the plain ones; CI builds and tests each, so every branch runs.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC",
+         *shlex.split(os.environ.get("TOKENFLOW_KERNEL_CFLAGS", "")))
+
+
+def isa_restricted() -> bool:
+    """Whether `TOKENFLOW_KERNEL_CFLAGS` turns off instruction sets this CPU has (then a kernel this CPU could
+    run may be missing from the build, and says so)."""
+    return any(flag.startswith("-mno-") for flag in FLAGS)
 # Linked in a separate step without -ffast-math: linking with it adds gcc's crtfastmath.o, whose
 # constructor sets flush-to-zero for the whole process and would change every float op in it.
 LINK_FLAGS = ("-shared", "-fopenmp")
