@@ -69,7 +69,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     """Every engine setting. Field names are public (DESIGN §3).
 
     `None` means "derive at start": `max_model_len` from the model config,
-    the KV pool from `num_kv_blocks`, else `kv_cache_bytes`, else free memory.
+    the KV pool from `num_kv_blocks`, else `kv_cache_bytes`, else a share of the available memory.
     """
 
     model: str | None = None

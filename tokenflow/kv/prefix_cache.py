@@ -20,7 +20,7 @@ the policy's order; an eviction listener (the disk tier) may copy a block out
 before it is reused. Everything is O(1) or O(log n) per block: dicts, a free
 stack and the policy's heap, never a scan of the pool.
 
-Lower tiers (`lower_tiers`, `kv/tier.py`: the disk tier, plugins' remote
+Lower tiers (`lower_tiers`, `kv/tiers/base.py`: the disk tier, plugins' remote
 tiers) are asked in order for the blocks after the resident prefix; while
 one loads them the request waits and `match_prefix` says so. Loaded blocks
 come back through `restore`, pinned for the request until it is admitted or

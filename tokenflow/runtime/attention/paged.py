@@ -123,7 +123,7 @@ class PagedAttentionMetadata:
     calls: list[int] | None = None  # when a list, each call appends module.layer_idx (self-check)
     static_decode: StaticDecode | None = None  # a decode-only step of fixed shapes (CUDA graphs): nothing else
     # kv_compression's scoring step: when a list, each layer appends the attention its (single) prefill segment's
-    # queries give every key, `[kv_heads, kv_len]` (`runtime.kv_compression.key_scores`)
+    # queries give every key, `[kv_heads, kv_len]` (`runtime.attention.snapkv.key_scores`)
     key_scores: list[torch.Tensor] | None = None
 
 

@@ -1,6 +1,6 @@
 /* bf16 kernels for tokenflow on CPU, called through ctypes.
  *
- * Built at first use by tokenflow/model/native_kernels.py (cc -O3 -march=native -ffast-math
+ * Built at first use by tokenflow/runtime/cpu/native_kernels.py (cc -O3 -march=native -ffast-math
  * -fopenmp -DHEAD_DIM=... -DGROUP=..., linked without -ffast-math) for one model's head size
  * and query heads per KV head: constants let the compiler unroll every row loop.
  *
