@@ -61,7 +61,7 @@ class AttentionPolicy:
 
 
 # Tokens computed per step by default. On CUDA a small model's step is launch-bound, so 2,048 prompt tokens
-# cost about what 512 do (measured: the README's GPU benchmarks).
+# cost about what 512 do (measured: docs/benchmarks.md, On a GPU).
 DEFAULT_BATCH_TOKENS = {"cpu": 512, "cuda": 2048}
 
 
