@@ -275,7 +275,7 @@ async def test_constrained_greedy_speculation_equals_plain_constrained_greedy(ti
     """Drafts of constrained greedy requests are checked against the grammar: oracle drafts (the plain
     constrained output, one guess in three spoiled) are accepted where the raw argmax is refused and the
     masked one agrees, and n-gram drafts are trimmed to what the grammar allows; outputs never change."""
-    from tests.test_ngram_speculation import _oracle_drafts, _repetitive_prompts
+    from tests.scheduler.test_ngram_speculation import _oracle_drafts, _repetitive_prompts
 
     prompts = _repetitive_prompts(400, 4, seed=3)
     kwargs = dict(max_tokens=120, temperature=0.0, json_schema=PERSON)
