@@ -316,11 +316,11 @@ class NativeKernels:
 
 
 def _build_key(compiler: str, flags: tuple[str, ...], source: Path = SOURCE) -> str:
-    """Hash of what the library depends on: source and the headers beside it, flags, compiler version, CPU
-    features."""
+    """Hash of what the library depends on: source and the files it may include beside it (headers, and the
+    parts `cpu_kernels.c` includes), flags, compiler version, CPU features."""
     digest = hashlib.sha256(source.read_bytes())
-    for header in sorted(source.parent.glob("*.h")):
-        digest.update(header.read_bytes())
+    for part in sorted([*source.parent.glob("*.h"), *source.parent.glob("*.c")]):
+        digest.update(part.read_bytes())
     digest.update(" ".join((*flags, *LINK_FLAGS)).encode())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest.update(version.encode())

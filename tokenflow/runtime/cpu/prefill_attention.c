@@ -1,0 +1,363 @@
+/* Causal attention of a prefill chunk over the paged cache: fp32 (and int8 caches) and bf16.
+ * Part of cpu_kernels.c (one translation unit: included there, after simd.h). */
+
+/* ------------------------------------------------------------------------------------------------
+ * paged_prefill_f32: causal attention of one prefill chunk over its sequence's paged keys, in fp32.
+ *
+ * Why: torch's fused CPU attention runs these shapes (64-wide heads, a few hundred keys) at a fraction
+ * of the FMA rate. Here each KV head's keys are packed once per call, transposed ([HEAD_DIM][keys]),
+ * so that a tile of PREFILL_ROWS query rows times KEY_TILE keys is a register-blocked product; each
+ * row's softmax is exact (max, exp, sum over its visible keys, like eager attention), and the
+ * weighted values are a second register-blocked product over the packed values. The G query heads
+ * sharing a KV head are rows of one tile, so GQA reads each key once per tile.
+ *   q       [t, kv_heads * GROUP, HEAD_DIM] fp32, contiguous: positions start .. start + t - 1
+ *   k_src   key row j (position j) at k_src + slot(j) * kv_heads * HEAD_DIM, with
+ *           slot(j) = table[j / block_size] * block_size + j % block_size, or slot(j) = j without a table
+ *   v_src   the same for values
+ *   out     [t, kv_heads * GROUP, HEAD_DIM] fp32
+ * Returns 0; -1 when group or head_dim differ from the build's (or HEAD_DIM is not a multiple of 16),
+ * -2 when out of memory (nothing is guaranteed written then).
+ * --------------------------------------------------------------------------------------------- */
+#if HEAD_DIM % 16 == 0
+typedef float vec16 __attribute__((vector_size(64)));                    /* 16 floats, 64-byte aligned */
+typedef float vec16_unaligned __attribute__((vector_size(64), aligned(4)));
+#define PREFILL_ROWS 6                                 /* query rows per tile: 6 x 2 score accumulators */
+#define KEY_TILE 32                                    /* keys per score tile: two vectors */
+#define HEAD_VECS (HEAD_DIM / 16)
+/* rows per weighted-value pass: ~24 accumulators, at most a tile */
+#define VALUE_ROWS (24 / HEAD_VECS < 1 ? 1 : 24 / HEAD_VECS > PREFILL_ROWS ? PREFILL_ROWS : 24 / HEAD_VECS)
+
+static inline int64_t key_slot(const int64_t *table, int64_t j, int64_t block_size)
+{
+    return table == NULL ? j : table[j / block_size] * block_size + j % block_size;
+}
+
+/* Scores of PREFILL_ROWS pre-scaled query rows `qb` against keys [0, keys) of one head's
+ * transposed keys `kt` [HEAD_DIM][stride] into `s` [PREFILL_ROWS][stride]; keys is a multiple of KEY_TILE,
+ * padding keys are zero. */
+static inline void tile_scores(float *s, const float qb[PREFILL_ROWS][HEAD_DIM], const float *kt, int64_t stride,
+                               int64_t keys)
+{
+    for (int64_t j = 0; j < keys; j += KEY_TILE) {
+        vec16 acc[PREFILL_ROWS][2];
+        for (int r = 0; r < PREFILL_ROWS; ++r)
+            acc[r][0] = acc[r][1] = (vec16){0};
+        for (int64_t d = 0; d < HEAD_DIM; ++d) {
+            const vec16 k0 = *(const vec16 *)(kt + d * stride + j);
+            const vec16 k1 = *(const vec16 *)(kt + d * stride + j + 16);
+            for (int r = 0; r < PREFILL_ROWS; ++r) {
+                acc[r][0] += qb[r][d] * k0;
+                acc[r][1] += qb[r][d] * k1;
+            }
+        }
+        for (int r = 0; r < PREFILL_ROWS; ++r) {
+            *(vec16 *)(s + r * stride + j) = acc[r][0];
+            *(vec16 *)(s + r * stride + j + 16) = acc[r][1];
+        }
+    }
+}
+
+/* The body of paged_prefill_f32 and paged_prefill_i8: keys and values come from fp32 rows (k_src, v_src),
+ * or from int8 rows with one fp32 scale per slot and KV head (k_i8, v_i8, k_scale, v_scale), dequantised as
+ * they are packed. */
+static int prefill_f32(const float *q, const float *k_src, const float *v_src, const int8_t *k_i8,
+                       const int8_t *v_i8, const float *k_scale, const float *v_scale, const int64_t *table,
+                       int64_t block_size, int64_t start, int64_t t, int64_t kv_heads, int64_t group_arg,
+                       int64_t head_dim_arg, float scale, float *out)
+{
+    if (head_dim_arg != HEAD_DIM || group_arg != GROUP)
+        return -1;
+    const int64_t heads = kv_heads * GROUP, slot_stride = kv_heads * HEAD_DIM;
+    const int64_t length = start + t;
+    const int64_t stride = (length + KEY_TILE - 1) / KEY_TILE * KEY_TILE; /* padded keys per head */
+    const int64_t rows = t * GROUP;                                      /* query rows per KV head */
+    const int64_t tiles = (rows + PREFILL_ROWS - 1) / PREFILL_ROWS;
+    float *kt = aligned_alloc(64, sizeof(float) * (size_t)(kv_heads * HEAD_DIM * stride)); /* [h][d][key] */
+    float *vp = aligned_alloc(64, sizeof(float) * (size_t)(kv_heads * stride * HEAD_DIM)); /* [h][key][d] */
+    int failed = kt == NULL || vp == NULL;
+    if (failed) {
+        free(kt);
+        free(vp);
+        return -2;
+    }
+
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t hj = 0; hj < kv_heads * stride; ++hj) {
+            const int64_t h = hj / stride, j = hj % stride;
+            float *vrow = vp + (h * stride + j) * HEAD_DIM;
+            if (j >= length) {
+                for (int64_t d = 0; d < HEAD_DIM; ++d)
+                    kt[(h * HEAD_DIM + d) * stride + j] = 0.f;
+                memset(vrow, 0, sizeof(float) * HEAD_DIM);
+                continue;
+            }
+            const int64_t slot = key_slot(table, j, block_size), offset = slot * slot_stride + h * HEAD_DIM;
+            if (k_i8 != NULL) {
+                const float ks = k_scale[slot * kv_heads + h], vs = v_scale[slot * kv_heads + h];
+                for (int64_t d = 0; d < HEAD_DIM; ++d)
+                    kt[(h * HEAD_DIM + d) * stride + j] = (float)k_i8[offset + d] * ks;
+                for (int64_t d = 0; d < HEAD_DIM; ++d)
+                    vrow[d] = (float)v_i8[offset + d] * vs;
+                continue;
+            }
+            for (int64_t d = 0; d < HEAD_DIM; ++d)
+                kt[(h * HEAD_DIM + d) * stride + j] = k_src[offset + d];
+            memcpy(vrow, v_src + offset, sizeof(float) * HEAD_DIM);
+        }
+
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(PREFILL_ROWS * stride));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* Later tiles see more keys: small dynamic chunks keep both threads busy to the end. */
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t item = 0; item < kv_heads * tiles; ++item) {
+            if (scores == NULL)
+                continue;
+            const int64_t h = item / tiles, r0 = (item % tiles) * PREFILL_ROWS;
+            const int64_t real = rows - r0 < PREFILL_ROWS ? rows - r0 : PREFILL_ROWS;
+            float qb[PREFILL_ROWS][HEAD_DIM] __attribute__((aligned(64)));
+            int64_t visible[PREFILL_ROWS];
+            for (int r = 0; r < PREFILL_ROWS; ++r) {
+                const int64_t row = r0 + (r < real ? r : real - 1); /* padding rows repeat the last one */
+                const int64_t pos = row / GROUP, g = row % GROUP;
+                const float *src = q + (pos * heads + h * GROUP + g) * HEAD_DIM;
+                for (int64_t d = 0; d < HEAD_DIM; ++d)
+                    qb[r][d] = src[d] * scale;
+                visible[r] = start + pos + 1;
+            }
+            const int64_t keys = visible[PREFILL_ROWS - 1];
+            const int64_t padded = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+            tile_scores(scores, qb, kt + h * HEAD_DIM * stride, stride, padded);
+
+            float inv_sum[PREFILL_ROWS];
+            for (int r = 0; r < PREFILL_ROWS; ++r) {
+                float *s = scores + r * stride;
+                const int64_t seen = visible[r];
+                const float sum = exp_minus_max(s, seen);
+                for (int64_t j = seen; j < keys; ++j)
+                    s[j] = 0.f;
+                inv_sum[r] = 1.f / sum;
+            }
+
+            const float *vh = vp + h * stride * HEAD_DIM;
+            for (int rb = 0; rb < real; rb += VALUE_ROWS) {
+                const int count = real - rb < VALUE_ROWS ? real - rb : VALUE_ROWS;
+                vec16 acc[VALUE_ROWS][HEAD_VECS];
+                for (int r = 0; r < VALUE_ROWS; ++r)
+                    for (int x = 0; x < HEAD_VECS; ++x)
+                        acc[r][x] = (vec16){0};
+                for (int64_t j = 0; j < keys; ++j) {
+                    const vec16 *v = (const vec16 *)(vh + j * HEAD_DIM);
+                    for (int r = 0; r < VALUE_ROWS; ++r) {
+                        const float p = scores[(rb + (r < count ? r : 0)) * stride + j];
+                        for (int x = 0; x < HEAD_VECS; ++x)
+                            acc[r][x] += p * v[x];
+                    }
+                }
+                for (int r = 0; r < count; ++r) {
+                    const int64_t row = r0 + rb + r, pos = row / GROUP, g = row % GROUP;
+                    vec16_unaligned *dst = (vec16_unaligned *)(out + (pos * heads + h * GROUP + g) * HEAD_DIM);
+                    for (int x = 0; x < HEAD_VECS; ++x)
+                        dst[x] = acc[r][x] * inv_sum[rb + r];
+                }
+            }
+        }
+        free(scores);
+    }
+    free(kt);
+    free(vp);
+    return failed ? -2 : 0;
+}
+int paged_prefill_f32(const float *q, const float *k_src, const float *v_src, const int64_t *table,
+                      int64_t block_size, int64_t start, int64_t t, int64_t kv_heads, int64_t group_arg,
+                      int64_t head_dim_arg, float scale, float *out)
+{
+    return prefill_f32(q, k_src, v_src, NULL, NULL, NULL, NULL, table, block_size, start, t, kv_heads, group_arg,
+                       head_dim_arg, scale, out);
+}
+
+/* paged_prefill_f32 over an int8 cache (kv_cache_dtype="int8"): fp32 queries and output. */
+int paged_prefill_i8(const float *q, const int8_t *k_i8, const int8_t *v_i8, const float *k_scale,
+                     const float *v_scale, const int64_t *table, int64_t block_size, int64_t start, int64_t t,
+                     int64_t kv_heads, int64_t group_arg, int64_t head_dim_arg, float scale, float *out)
+{
+    return prefill_f32(q, NULL, NULL, k_i8, v_i8, k_scale, v_scale, table, block_size, start, t, kv_heads,
+                       group_arg, head_dim_arg, scale, out);
+}
+#else
+int paged_prefill_f32(const float *q, const float *k_src, const float *v_src, const int64_t *table,
+                      int64_t block_size, int64_t start, int64_t t, int64_t kv_heads, int64_t group_arg,
+                      int64_t head_dim_arg, float scale, float *out)
+{
+    return -1;
+}
+
+int paged_prefill_i8(const float *q, const int8_t *k_i8, const int8_t *v_i8, const float *k_scale,
+                     const float *v_scale, const int64_t *table, int64_t block_size, int64_t start, int64_t t,
+                     int64_t kv_heads, int64_t group_arg, int64_t head_dim_arg, float scale, float *out)
+{
+    return -1;
+}
+#endif
+
+/* ------------------------------------------------------------------------------------------------
+ * paged_prefill_bf16: paged_prefill_f32's tiling for bf16 caches, with AVX512-BF16 dot products
+ * (two bf16 products summed into each fp32 lane: twice the FMA rate). Keys are packed as pairs of
+ * head dimensions per key lane ([HEAD_DIM / 2][keys] pairs), values as pairs of keys per dimension
+ * lane ([keys / 2][HEAD_DIM] pairs). Arithmetic as causal_softmax_bf16 and eager bf16 attention:
+ * scores summed in fp32 and rounded to bf16, scaled with rounding, softmax in fp32, probabilities
+ * rounded to bf16, values summed in fp32, the output rounded to bf16.
+ *   q, out  [t, kv_heads * GROUP, HEAD_DIM] bf16; k_src, v_src, table as paged_prefill_f32.
+ * prefill_bf16_available() says whether this build has it (else the call returns -1).
+ * --------------------------------------------------------------------------------------------- */
+#if defined(__AVX512BF16__) && HEAD_DIM % 16 == 0
+int prefill_bf16_available(void) { return 1; }
+
+int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t *v_src, const int64_t *table,
+                       int64_t block_size, int64_t start, int64_t t, int64_t kv_heads, int64_t group_arg,
+                       int64_t head_dim_arg, float scale, uint16_t *out)
+{
+    if (head_dim_arg != HEAD_DIM || group_arg != GROUP)
+        return -1;
+    const int64_t heads = kv_heads * GROUP, slot_stride = kv_heads * HEAD_DIM, pairs = HEAD_DIM / 2;
+    const int64_t length = start + t;
+    const int64_t stride = (length + KEY_TILE - 1) / KEY_TILE * KEY_TILE; /* padded keys per head (even) */
+    const int64_t rows = t * GROUP;
+    const int64_t tiles = (rows + PREFILL_ROWS - 1) / PREFILL_ROWS;
+    uint32_t *kp = aligned_alloc(64, sizeof(uint32_t) * (size_t)(kv_heads * pairs * stride));     /* [h][d/2][key] */
+    uint32_t *vp = aligned_alloc(64, sizeof(uint32_t) * (size_t)(kv_heads * stride / 2 * HEAD_DIM)); /* [h][key/2][d] */
+    int failed = kp == NULL || vp == NULL;
+    if (failed) {
+        free(kp);
+        free(vp);
+        return -2;
+    }
+
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t hj = 0; hj < kv_heads * stride / 2; ++hj) {
+            const int64_t h = hj / (stride / 2), j = 2 * (hj % (stride / 2)); /* keys j and j + 1 */
+            const uint16_t *k0 = NULL, *k1 = NULL, *v0 = NULL, *v1 = NULL;
+            if (j < length) {
+                k0 = k_src + key_slot(table, j, block_size) * slot_stride + h * HEAD_DIM;
+                v0 = v_src + key_slot(table, j, block_size) * slot_stride + h * HEAD_DIM;
+            }
+            if (j + 1 < length) {
+                k1 = k_src + key_slot(table, j + 1, block_size) * slot_stride + h * HEAD_DIM;
+                v1 = v_src + key_slot(table, j + 1, block_size) * slot_stride + h * HEAD_DIM;
+            }
+            for (int64_t p = 0; p < pairs; ++p) {
+                kp[(h * pairs + p) * stride + j] = k0 ? (uint32_t)k0[2 * p] | (uint32_t)k0[2 * p + 1] << 16 : 0;
+                kp[(h * pairs + p) * stride + j + 1] = k1 ? (uint32_t)k1[2 * p] | (uint32_t)k1[2 * p + 1] << 16 : 0;
+            }
+            uint32_t *vrow = vp + (h * stride / 2 + j / 2) * HEAD_DIM;
+            for (int64_t d = 0; d < HEAD_DIM; ++d)
+                vrow[d] = (v0 ? v0[d] : 0u) | (uint32_t)(v1 ? v1[d] : 0u) << 16;
+        }
+
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(PREFILL_ROWS * stride));
+        uint16_t *probs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(PREFILL_ROWS * stride));
+        if (scores == NULL || probs == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t item = 0; item < kv_heads * tiles; ++item) {
+            if (scores == NULL || probs == NULL)
+                continue;
+            const int64_t h = item / tiles, r0 = (item % tiles) * PREFILL_ROWS;
+            const int64_t real = rows - r0 < PREFILL_ROWS ? rows - r0 : PREFILL_ROWS;
+            uint32_t qb[PREFILL_ROWS][HEAD_DIM / 2];
+            int64_t visible[PREFILL_ROWS];
+            for (int r = 0; r < PREFILL_ROWS; ++r) {
+                const int64_t row = r0 + (r < real ? r : real - 1); /* padding rows repeat the last one */
+                const int64_t pos = row / GROUP, g = row % GROUP;
+                memcpy(qb[r], q + (pos * heads + h * GROUP + g) * HEAD_DIM, sizeof qb[r]);
+                visible[r] = start + pos + 1;
+            }
+            const int64_t keys = visible[PREFILL_ROWS - 1];
+            const int64_t padded = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+            const uint32_t *kh = kp + h * pairs * stride;
+            for (int64_t j = 0; j < padded; j += KEY_TILE) {
+                __m512 acc[PREFILL_ROWS][2];
+                for (int r = 0; r < PREFILL_ROWS; ++r)
+                    acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+                for (int64_t p = 0; p < pairs; ++p) {
+                    const __m512bh k0 = (__m512bh)_mm512_load_si512(kh + p * stride + j);
+                    const __m512bh k1 = (__m512bh)_mm512_load_si512(kh + p * stride + j + 16);
+                    for (int r = 0; r < PREFILL_ROWS; ++r) {
+                        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)qb[r][p]);
+                        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w, k0);
+                        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w, k1);
+                    }
+                }
+                for (int r = 0; r < PREFILL_ROWS; ++r) {
+                    _mm512_store_ps(scores + r * stride + j, acc[r][0]);
+                    _mm512_store_ps(scores + r * stride + j + 16, acc[r][1]);
+                }
+            }
+            const int64_t even = (keys + 1) / 2 * 2;
+            for (int r = 0; r < PREFILL_ROWS; ++r) {
+                float *s = scores + r * stride;
+                uint16_t *p = probs + r * stride;
+                const int64_t seen = visible[r];
+#pragma omp simd
+                for (int64_t j = 0; j < seen; ++j)
+                    s[j] = round_to_bf16(round_to_bf16(s[j]) * scale);
+                const float inv = 1.f / exp_minus_max(s, seen);
+#pragma omp simd
+                for (int64_t j = 0; j < seen; ++j)
+                    p[j] = float_to_bf16(s[j] * inv);
+                for (int64_t j = seen; j < even; ++j)
+                    p[j] = 0;
+            }
+
+            const uint32_t *vh = vp + h * stride / 2 * HEAD_DIM;
+            for (int rb = 0; rb < real; rb += VALUE_ROWS) {
+                const int count = real - rb < VALUE_ROWS ? real - rb : VALUE_ROWS;
+                __m512 acc[VALUE_ROWS][HEAD_VECS];
+                for (int r = 0; r < VALUE_ROWS; ++r)
+                    for (int x = 0; x < HEAD_VECS; ++x)
+                        acc[r][x] = _mm512_setzero_ps();
+                for (int64_t jp = 0; jp < even / 2; ++jp) {
+                    __m512bh v[HEAD_VECS];
+                    for (int x = 0; x < HEAD_VECS; ++x)
+                        v[x] = (__m512bh)_mm512_load_si512(vh + jp * HEAD_DIM + 16 * x);
+                    for (int r = 0; r < VALUE_ROWS; ++r) {
+                        uint32_t pair;
+                        memcpy(&pair, probs + (rb + (r < count ? r : 0)) * stride + 2 * jp, sizeof pair);
+                        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+                        for (int x = 0; x < HEAD_VECS; ++x)
+                            acc[r][x] = _mm512_dpbf16_ps(acc[r][x], w, v[x]);
+                    }
+                }
+                for (int r = 0; r < count; ++r) {
+                    const int64_t row = r0 + rb + r, pos = row / GROUP, g = row % GROUP;
+                    uint16_t *dst = out + (pos * heads + h * GROUP + g) * HEAD_DIM;
+                    for (int x = 0; x < HEAD_VECS; ++x)
+                        _mm256_storeu_si256((__m256i *)(dst + 16 * x), (__m256i)_mm512_cvtneps_pbh(acc[r][x]));
+                }
+            }
+        }
+        free(scores);
+        free(probs);
+    }
+    free(kp);
+    free(vp);
+    return failed ? -2 : 0;
+}
+#else
+int prefill_bf16_available(void) { return 0; }
+
+int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t *v_src, const int64_t *table,
+                       int64_t block_size, int64_t start, int64_t t, int64_t kv_heads, int64_t group_arg,
+                       int64_t head_dim_arg, float scale, uint16_t *out)
+{
+    return -1;
+}
+#endif
