@@ -95,3 +95,12 @@ async def test_a_started_engine_has_its_device_default(tiny_model) -> None:
     async with Engine(tiny_model) as engine:
         assert engine.config.max_batch_tokens == 512
         assert engine.stats()["max_batch_tokens_effective"] == 512
+
+
+def test_environment_typos_are_refused_by_name_but_tool_variables_are_not() -> None:
+    with pytest.raises(ConfigError, match=r"TOKENFLOW_MAX_NUM_SEQ\b.*max_num_seqs"):
+        EngineConfig.load(environ={"TOKENFLOW_MAX_NUM_SEQ": "8"})
+    tools = {name: "x" for name in ("TOKENFLOW_HOME", "TOKENFLOW_PLUGINS", "TOKENFLOW_API_KEY",
+                                    "TOKENFLOW_TEST_MODEL", "TOKENFLOW_INDEX_URL", "TOKENFLOW_KERNEL_CFLAGS",
+                                    "TOKENFLOW_VLLM_PYTHON")}  # the bench's peer interpreter (was refused)
+    assert EngineConfig.load(environ=tools).max_num_seqs == EngineConfig.load(environ={}).max_num_seqs

@@ -35,6 +35,7 @@ _ENV_NOT_SETTINGS = frozenset({
     "TOKENFLOW_TEST_MODEL",  # the pytest plugin's model
     "TOKENFLOW_INDEX_URL",  # the package index the embedded model's wheel comes from
     "TOKENFLOW_KERNEL_CFLAGS",  # extra compiler flags of the native CPU kernels
+    "TOKENFLOW_VLLM_PYTHON",  # `tokenflow bench --peers vllm`: the peer's interpreter
 })
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
