@@ -73,14 +73,31 @@ async def test_fixed_shape_decodes_equal_transformers_generate(tiny_model, monke
         assert got == hf_greedy(model, prompt, 24)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
-async def test_paged_greedy_on_other_architectures(tmp_path, arch) -> None:
+def _randomize_norms(folder) -> None:
+    """Norm weights away from their initial ones, so that a norm applied with the wrong weight (or not at all:
+    Qwen3's per-head Q/K norms) changes the output."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=generator))
+    model.save_pretrained(folder)
+
+
+# qwen3: per-head Q/K norms; phi3: Q, K, V and gate/up stored as single projections; gemma: not a family the
+# fused layers run (its HF modules)
+@pytest.mark.parametrize(("arch", "fused"), [("qwen2", True), ("qwen3", True), ("mistral", True), ("phi3", True),
+                                             ("gemma", False)])
+async def test_paged_greedy_on_other_architectures(tmp_path, arch, fused) -> None:
     from tokenflow.testing import build_tiny_model
 
     folder = build_tiny_model(tmp_path / arch, arch=arch)
+    _randomize_norms(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = make_prompts(400, [5, 40, 90, 13], seed=1)
     async with Engine(folder, max_batch_tokens=32) as engine:  # chunked prefill over several steps
+        assert (engine._loop.backend.runner.fused is not None) == fused
         outputs = await run_concurrently(engine, prompts, max_tokens=12)
     for prompt, got in zip(prompts, outputs):
         assert got == hf_greedy(model, prompt, 12)

@@ -57,6 +57,8 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any) ->
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
+        "phi3": transformers.Phi3Config,
+        "gemma": transformers.GemmaConfig,
     }
     base: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -65,6 +67,10 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any) ->
     )
     if arch == "mistral":
         base["sliding_window"] = None
+    if arch == "phi3":
+        base["pad_token_id"] = None  # its default (32000) lies past a tiny vocabulary
+    if arch == "gemma":
+        base["head_dim"] = 16  # its default (256) is not hidden / heads
     base.update(overrides)
     return classes[arch](**base)
 

@@ -16,6 +16,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -48,12 +50,22 @@ MODELS: dict[str, Callable[[], PreTrainedModel]] = {
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=16)),
     "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None)),
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**COMMON, pad_token_id=0)),
 }
+
+
+def _random_norms(model: PreTrainedModel) -> PreTrainedModel:
+    """Norm weights away from ones, so that a norm skipped or given the wrong weight changes the output."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
 
 
 def build(name: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     torch.manual_seed(0)
-    return MODELS[name]().to(dtype).eval()
+    return _random_norms(MODELS[name]()).to(dtype).eval()
 
 
 def make_runner(
@@ -160,11 +172,12 @@ def test_bf16_cpu_kernels_is_transformers_eager_arithmetic(
     assert compared == 12 and all(s.cached == len(t) for s, t in zip(seqs, full))  # 1 + 3 + 8 rows
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
 def test_greedy_matches_generate(name: str) -> None:
     model = build(name)
     ref = copy.deepcopy(model)
     runner, pool = make_runner(model)
+    assert runner.fused is not None  # every family here runs on the fused layers
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
     new = 10

@@ -1,17 +1,20 @@
-"""The decoder of Llama-family models as one flat loop of fused operations.
+"""The decoder of Llama-like models (every family `layer_families.py` describes) as one flat loop of fused
+operations.
 
 Why: a step through the HF modules runs ~140 tensor ops and as many Python calls per layer (views,
 transposes, RoPE's slices and concatenations, three projections for Q, K and V, two for the MLP),
 and on a CPU that overhead, not the arithmetic, is most of a small model's decode step. This loop
 reads the HF model's own weights (the model is not modified) and runs per layer: norm, one QKV
 projection, RoPE on Q and K at once, paged attention, the output projection, norm, one gate+up
-projection, SiLU-and-multiply, the down projection: about 20 ops.
+projection, SiLU-and-multiply, the down projection: about 20 ops (Qwen3: RMSNorm over each Q and K head
+before RoPE).
 
 Same arithmetic as transformers in the same order (a projection of concatenated weights computes
 each output as the separate projection does; norms after selecting the sampled rows are row-wise),
 so fp32 greedy output stays token-identical; the runner's self-check compares it with the model's
-own attention at load. Models whose layers do anything else (Q/K norms, logit soft-capping,
-embedding scales, parallel blocks) are not matched and keep running through their HF modules.
+own attention at load. Models whose layers do anything their family's description does not say (logit
+soft-capping, embedding scales, parallel blocks, another activation) are not matched and keep running through
+their HF modules.
 """
 
 from __future__ import annotations
@@ -36,14 +39,13 @@ from tokenflow.runtime.cpu.packed_linear import (
     post_ops_available,
 )
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
-from tokenflow.runtime.gated_mlp import is_gated_silu_mlp
+from tokenflow.runtime.layer_families import FAMILIES, LayerFamily, LayerWeights, describes, family_for, layer_weights
 from tokenflow.runtime.sampler import GreedyTokens
 
 __all__ = ("FusedDecoder", "fused_decoder_for")
 
-# Model types whose decoder layer is exactly: x + attn(norm(x)); x + mlp(norm(x)), with plain RoPE
-# attention (Qwen2: biases on Q, K, V) and a SiLU-gated MLP.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# Model types the loop runs (their layers: x + attn(norm(x)); x + mlp(norm(x)), RoPE attention, a SiLU-gated MLP)
+SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -57,6 +59,8 @@ class _Layer:
     gate_up: Linear  # [T, hidden] -> [T, 2 I]
     down: Linear
     scale: float
+    q_norm: torch.nn.Module | None = None  # Qwen3: RMSNorm over each Q and each K head, before RoPE
+    k_norm: torch.nn.Module | None = None
     # oneDNN's post-op forms (CPU, packed weights): the output projection with the residual add, and the MLP
     o_residual: PackedLinear | None = None
     mlp: PackedGatedMLP | None = None
@@ -71,13 +75,13 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, few_row
     return (few_rows_linear(weight, bias, linear) if few_rows else None) or linear
 
 
-def _post_op_layer(attn: torch.nn.Module, mlp: torch.nn.Module,
-                   pack: bool) -> tuple[PackedLinear, PackedGatedMLP] | None:
+def _post_op_layer(weights: LayerWeights, pack: bool) -> tuple[PackedLinear, PackedGatedMLP] | None:
     """The output projection and MLP of a layer on oneDNN's post-ops, or None where they do not apply."""
-    weight = attn.o_proj.weight
+    weight = weights.o
     if not pack or weight.device.type != "cpu" or weight.dtype not in packed_dtypes() or not post_ops_available():
         return None
-    return PackedLinear(weight), PackedGatedMLP(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    inter = weights.down.shape[1]
+    return PackedLinear(weight), PackedGatedMLP(weights.gate_up[:inter], weights.gate_up[inter:], weights.down)
 
 
 def _normed_linear(linear: Linear, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -105,6 +109,23 @@ def _gated_down(down: Linear, gate_up: torch.Tensor, inter: int, residual: torch
     return _add_linear(down, native.silu_mul(gate_up), residual)
 
 
+def _head_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module, heads: int, q_end: int,
+                native: NativeKernels | None) -> None:
+    """Qwen3's RMSNorm over each Q head and each K head of `qkv [T, (H + 2 KVH) D]`, in place (transformers
+    norms the projections viewed as `[T, heads, D]`; the same arithmetic per head)."""
+    k_rows = qkv[:, q_end:]
+    if native is not None and qkv.dtype == q_norm.weight.dtype:
+        native.head_rms_norm_(qkv, heads, q_norm.weight, float(q_norm.variance_epsilon))
+        native.head_rms_norm_(k_rows, (qkv.shape[1] - q_end) // (2 * native.head_dim), k_norm.weight,
+                              float(k_norm.variance_epsilon))
+        return
+    t, d = qkv.shape[0], q_end // heads
+    q = qkv[:, :q_end].view(t, heads, d)
+    k = k_rows[:, : (qkv.shape[1] - q_end) // 2].view(t, -1, d)
+    q.copy_(q_norm(q.contiguous()))
+    k.copy_(k_norm(k.contiguous()))
+
+
 def _native_layers(modules: torch.nn.ModuleList, layers: list[_Layer], native: NativeKernels | None,
                    inter: int) -> NativeDecodeLayers | None:
     """The C loop over `layers` (`tokenflow.runtime.cpu.decode_layers`) where every one runs its four linears on
@@ -117,11 +138,15 @@ def _native_layers(modules: torch.nn.ModuleList, layers: list[_Layer], native: N
         linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
         if not all(isinstance(f, FewRowsLinear) for f in linears):
             return None
-        norms = (module.input_layernorm, module.post_attention_layernorm)
+        head_norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else ()
+        norms = (module.input_layernorm, module.post_attention_layernorm, *head_norms)
         epsilons.update(float(n.variance_epsilon) for n in norms)
-        weights.append(DecodeLayerWeights(norms[0].weight, norms[1].weight, *linears, scale=layer.scale))
+        weights.append(DecodeLayerWeights(norms[0].weight, norms[1].weight, *linears, scale=layer.scale,
+                                          q_norm=head_norms[0].weight if head_norms else None,
+                                          k_norm=head_norms[1].weight if head_norms else None))
     dtype = weights[0].qkv.weight.packed.dtype
-    if len(epsilons) != 1 or any(w.input_norm.dtype != dtype or w.post_norm.dtype != dtype for w in weights):
+    norm_weights = [n for w in weights for n in (w.input_norm, w.post_norm, w.q_norm, w.k_norm) if n is not None]
+    if len(epsilons) != 1 or any(n.dtype != dtype or not n.is_contiguous() for n in norm_weights):
         return None
     return NativeDecodeLayers(native, weights, epsilons.pop(), weights[0].o.weight.n, inter, dtype)
 
@@ -129,75 +154,58 @@ def _native_layers(modules: torch.nn.ModuleList, layers: list[_Layer], native: N
 def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False, post_ops: bool = False,
                       native: NativeKernels | None = None) -> FusedDecoder | None:
     """A FusedDecoder over `model`'s weights, or None when its layers are not the shape it runs."""
-    config = model.config
-    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        return None
-    if getattr(config, "sliding_window", None) is not None:  # the HF layers' attention guards the window
-        return None
+    family = family_for(model.config)
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     lm_head = getattr(model, "lm_head", None)
-    if layers is None or not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
+    if family is None or layers is None or not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
         return None
     if getattr(base, "rotary_emb", None) is None or not is_plain_rms_norm(getattr(base, "norm", None)):
         return None
-    for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        projections = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if not all(type(p) is torch.nn.Linear for p in projections) or projections[3].bias is not None:
-            return None
-        if any(hasattr(attn, name) for name in ("q_norm", "k_norm")) or not is_gated_silu_mlp(mlp):
-            return None
-        if not (is_plain_rms_norm(layer.input_layernorm) and is_plain_rms_norm(layer.post_attention_layernorm)):
-            return None
-    return FusedDecoder(model, pack=pack, few_rows=few_rows, post_ops=post_ops, native=native)
+    if not all(describes(layer, family) for layer in layers):
+        return None
+    with torch.no_grad():
+        return FusedDecoder(model, family, pack=pack, few_rows=few_rows, post_ops=post_ops, native=native)
 
 
 class FusedDecoder:
     """Runs `model`'s decoder and head on a packed step; see the module doc."""
 
-    def __init__(self, model: torch.nn.Module, *, pack: bool, few_rows: bool = False, post_ops: bool = False,
-                 native: NativeKernels | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, family: LayerFamily, *, pack: bool, few_rows: bool = False,
+                 post_ops: bool = False, native: NativeKernels | None = None) -> None:
+        """`model`'s layers are ones `family` describes (`layer_families.describes`)."""
         base = model.model
         self.native = native  # bf16, fp32: RoPE on Q and K and the SiLU product as one C call each
         self.model = model
+        self.family = family
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.final_norm = base.norm
         self.lm_head = _linear(model.lm_head.weight, None, pack, few_rows)
         # greedy steps' tokens without the fp32 head's logits (fp32 few-rows head, AVX512-BF16)
         self.greedy_head = greedy_head_for(self.lm_head, model.lm_head.weight, int(model.config.vocab_size))
-        first = base.layers[0].self_attn
         self.num_heads = model.config.num_attention_heads
-        self.head_dim = first.head_dim
-        self.num_kv_heads = first.k_proj.out_features // self.head_dim
+        self.head_dim = base.layers[0].self_attn.head_dim
         self.layers: list[_Layer] = []
-        with torch.no_grad():
-            for layer in base.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-                biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-                qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
-                if qkv_b is None and any(b is not None for b in biases):
-                    raise ValueError("Q, K and V projections must all have biases or none")
-                gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-                qkv = _linear(qkv_w, qkv_b, pack, few_rows)
-                fused_ops = _post_op_layer(attn, mlp, pack) if post_ops else None
-                if fused_ops is None:
-                    o, gate_up, down = (_linear(w, None, pack, few_rows)
-                                        for w in (attn.o_proj.weight, gate_up_w, mlp.down_proj.weight))
-                else:  # the few-rows kernel in front of the post-ops' packed weights (no third copy)
-                    o_residual, packed_mlp = fused_ops
-                    o, gate_up, down = ((few_rows and few_rows_linear(w, None, fallback)) or fallback
-                                        for w, fallback in ((attn.o_proj.weight, o_residual),
-                                                            (gate_up_w, packed_mlp.gate_up),
-                                                            (mlp.down_proj.weight, packed_mlp.down)))
-                self.layers.append(_Layer(
-                    input_norm=layer.input_layernorm, qkv=qkv, o=o, post_norm=layer.post_attention_layernorm,
-                    gate_up=gate_up, down=down, scale=float(attn.scaling),
-                    o_residual=fused_ops and fused_ops[0], mlp=fused_ops and fused_ops[1],
-                ))
-        self.intermediate = base.layers[0].mlp.gate_proj.out_features
+        for layer in base.layers:
+            # one layer's concatenations at a time: the linears pack copies of their own
+            w = layer_weights(layer, family)
+            qkv = _linear(w.qkv, w.qkv_bias, pack, few_rows)
+            fused_ops = _post_op_layer(w, pack) if post_ops else None
+            if fused_ops is None:
+                o, gate_up, down = (_linear(x, None, pack, few_rows) for x in (w.o, w.gate_up, w.down))
+            else:  # the few-rows kernel in front of the post-ops' packed weights (no third copy)
+                o_residual, packed_mlp = fused_ops
+                o, gate_up, down = ((few_rows and few_rows_linear(x, None, fallback)) or fallback
+                                    for x, fallback in ((w.o, o_residual), (w.gate_up, packed_mlp.gate_up),
+                                                        (w.down, packed_mlp.down)))
+            self.layers.append(_Layer(
+                input_norm=layer.input_layernorm, qkv=qkv, o=o, post_norm=layer.post_attention_layernorm,
+                gate_up=gate_up, down=down, scale=float(layer.self_attn.scaling), q_norm=w.q_norm, k_norm=w.k_norm,
+                o_residual=fused_ops and fused_ops[0], mlp=fused_ops and fused_ops[1],
+            ))
+        self.intermediate = w.down.shape[1]
+        self.num_kv_heads = (w.qkv.shape[0] // self.head_dim - self.num_heads) // 2
         # the few-rows kernel's linears, kept here: callers may wrap the layers' callables (bench-step --parts)
         self._few_rows = [f for f in self.linears().values() if isinstance(f, FewRowsLinear)]
         self.post_ops_on = True  # steps of more rows than the few-rows kernel takes run the post-op forms
@@ -209,13 +217,11 @@ class FusedDecoder:
         `.down`, `lm_head`), in the concatenations the loop uses: for quantising them."""
         out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for i, layer in enumerate(self.model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-            out[f"layers.{i}.qkv"] = (torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                                      torch.cat(biases) if biases[0] is not None else None)
-            out[f"layers.{i}.o"] = (attn.o_proj.weight, None)
-            out[f"layers.{i}.gate_up"] = (torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None)
-            out[f"layers.{i}.down"] = (mlp.down_proj.weight, None)
+            w = layer_weights(layer, self.family)
+            out[f"layers.{i}.qkv"] = (w.qkv, w.qkv_bias)
+            out[f"layers.{i}.o"] = (w.o, None)
+            out[f"layers.{i}.gate_up"] = (w.gate_up, None)
+            out[f"layers.{i}.down"] = (w.down, None)
         out["lm_head"] = (self.model.lm_head.weight, None)
         return out
 
@@ -283,6 +289,8 @@ class FusedDecoder:
         assert attention is not None
         for index, layer in enumerate(self.layers):
             qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
+            if layer.q_norm is not None and layer.k_norm is not None:
+                _head_norms(qkv, layer.q_norm, layer.k_norm, heads, q_end, native)
             if native is not None:  # the same roundings as the torch ops below, in one pass, in place
                 native.rope_(qkv, heads + kv_heads, cos, sin)
                 q, k = qkv[:, :q_end].view(t, heads, d), qkv[:, q_end:k_end].view(t, kv_heads, d)

@@ -30,7 +30,8 @@ class _PackedWeight(ctypes.Structure):
 
 
 class _DecodeLayer(ctypes.Structure):
-    _fields_ = (("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _PackedWeight),
+    _fields_ = (("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", _PackedWeight),
                 ("o", _PackedWeight), ("gate_up", _PackedWeight), ("down", _PackedWeight),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("scale", ctypes.c_float))
 
@@ -46,11 +47,17 @@ class DecodeLayerWeights:
     gate_up: FewRowsLinear
     down: FewRowsLinear
     scale: float
+    q_norm: torch.Tensor | None = None  # [head_dim] per-head norms' weights (Qwen3), both or neither
+    k_norm: torch.Tensor | None = None
 
 
 def _packed(weight: FewRowsWeight) -> _PackedWeight:
     bias = weight.bias.data_ptr() if weight.bias is not None else None
     return _PackedWeight(weight.packed.data_ptr(), bias, weight.n, weight.n_pad)
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return tensor.data_ptr() if tensor is not None else None
 
 
 class NativeDecodeLayers:
@@ -73,7 +80,8 @@ class NativeDecodeLayers:
             structs = (_DecodeLayer * len(self.layers))()
             for i, layer in enumerate(self.layers):
                 structs[i] = _DecodeLayer(
-                    layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), _packed(layer.qkv.weight),
+                    layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), _address(layer.q_norm),
+                    _address(layer.k_norm), _packed(layer.qkv.weight),
                     _packed(layer.o.weight), _packed(layer.gate_up.weight), _packed(layer.down.weight),
                     cache.k_slots[i].data_ptr(), cache.v_slots[i].data_ptr(), layer.scale)
             self._structs, self._cache_key = structs, key

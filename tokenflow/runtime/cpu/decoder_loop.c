@@ -9,7 +9,7 @@
  * arguments, output tensors), while the second OpenMP thread waits. This loop makes the calls the
  * fused Python loop makes (tokenflow/runtime/fused_layers.py), in the same order with the same
  * arguments, so its output is the same bit for bit:
- *   norm, QKV projection (few-rows kernel), RoPE on Q and K, K/V into the cache, paged attention,
+ *   norm, QKV projection (few-rows kernel), [Q and K head norms], RoPE on Q and K, K/V into the cache, paged attention,
  *   h + output projection, norm, gate_up projection, SiLU product, h + down projection.
  * The few-rows linear lives in its own library (few_rows_linear.c): the caller passes its address.
  *   h        [m, hidden] the step's hidden rows (model dtype); the result is written back into it
@@ -30,6 +30,7 @@ typedef struct {
 
 typedef struct {
     const void *input_norm, *post_norm; /* [hidden] RMSNorm weights, the model's dtype */
+    const void *q_norm, *k_norm;        /* [HEAD_DIM] per-head RMSNorm weights (Qwen3), or NULL */
     PackedWeight qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [slots, kv_heads, HEAD_DIM] */
     float scale;
@@ -55,6 +56,10 @@ int decode_layers(const DecodeLayer *layers, int64_t num_layers, few_rows_linear
         rms_norm(h, bf16, L->input_norm, m, hidden, eps, normed);
         if ((status = linear(normed, bf16, m, hidden, L->qkv.weight, L->qkv.bias, L->qkv.n, L->qkv.n_pad, NULL, qkv)))
             return status;
+        if (L->q_norm != NULL) {
+            head_rms_norm(qkv, bf16, m, qkv_n, heads, L->q_norm, eps);
+            head_rms_norm(qkv + q_width * size, bf16, m, qkv_n, kv_heads, L->k_norm, eps);
+        }
         rope(qkv, bf16, m, qkv_n, heads + kv_heads, cos, sin);
         write_kv(qkv + q_width * size, qkv + (q_width + kv_width) * size, m, qkv_n * size, qkv_n * size,
                  kv_width * size, slots, L->k_cache, L->v_cache);

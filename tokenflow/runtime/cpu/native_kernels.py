@@ -98,6 +98,9 @@ class NativeKernels:
         self._rms_norm = library.rms_norm
         self._rms_norm.argtypes = (_P, ctypes.c_int, _P, _I, _I, ctypes.c_float, _P)
         self._rms_norm.restype = None
+        self._head_rms_norm = library.head_rms_norm
+        self._head_rms_norm.argtypes = (_P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_float)
+        self._head_rms_norm.restype = None
         self._rope = library.rope
         self._rope.argtypes = (_P, ctypes.c_int, _I, _I, _I, _P, _P)
         self._rope.restype = None
@@ -300,6 +303,19 @@ class NativeKernels:
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
         self._silu_mul(gate_up.data_ptr(), gate_up.dtype == torch.bfloat16, rows, width // 2, out.data_ptr())
         return out
+
+    def head_rms_norm_(self, rows: torch.Tensor, heads: int, weight: torch.Tensor, eps: float) -> None:
+        """RMSNorm in place over each of the first `heads` heads of bf16 or fp32 `rows [n, >= heads * head_dim]`
+        (each row contiguous; a slice of a QKV projection), with a `weight [head_dim]` of their dtype: Qwen3's
+        Q and K norms."""
+        n, width = rows.shape
+        if rows.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != rows.dtype or rows.stride(1) != 1:
+            raise ValueError("head_rms_norm_ needs bf16 or fp32 rows and a weight of their dtype")
+        if heads * self.head_dim > width or weight.shape != (self.head_dim,) or not weight.is_contiguous():
+            raise ValueError(f"head_rms_norm_: {heads} heads of {self.head_dim} in rows of {width}, weight of "
+                             f"shape {tuple(weight.shape)}")
+        self._head_rms_norm(rows.data_ptr(), rows.dtype == torch.bfloat16, n, rows.stride(0), heads,
+                            weight.data_ptr(), eps)
 
     def rope_(self, qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """RoPE in place on the first `heads` heads of bf16 or fp32 `qkv [rows, >= heads * head_dim]` (rows

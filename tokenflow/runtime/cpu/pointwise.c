@@ -1,4 +1,5 @@
-/* Pointwise kernels: a prefill tile's causal softmax (bf16), RMSNorm, the K/V write, SiLU product.
+/* Pointwise kernels: a prefill tile's causal softmax (bf16), RMSNorm (of rows and of heads), RoPE, the K/V write,
+ * SiLU product.
  * Part of cpu_kernels.c (one translation unit: included there, after simd.h). */
 
 /* Causal softmax of a prefill tile's scores, in place.
@@ -66,6 +67,27 @@ void rms_norm(const void *x, int bf16, const void *weight, int64_t rows, int64_t
                 dst[i] = float_to_bf16(h[i]); /* exact: h is rounded already */
         } else {
             memcpy((float *)out + r * width, h, sizeof(float) * (size_t)width);
+        }
+    }
+}
+
+/* RMSNorm over each head of the first `heads` heads of each row, in place (Qwen3's Q and K norms, which
+ * transformers applies to the projection viewed as [rows, heads, HEAD_DIM]): `normed_row` per head.
+ *   x [rows, row_stride] bf16 or fp32 (the heads start at x); weight [HEAD_DIM] of x's dtype.
+ */
+void head_rms_norm(void *x, int bf16, int64_t rows, int64_t row_stride, int64_t heads, const void *weight, float eps)
+{
+    const int64_t size = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (rows * heads * HEAD_DIM >= 32768)
+    for (int64_t r = 0; r < rows * heads; ++r) {
+        char *head = (char *)x + ((r / heads) * row_stride + (r % heads) * HEAD_DIM) * size;
+        float h[HEAD_DIM];
+        normed_row(head, bf16, weight, eps, HEAD_DIM, h);
+        for (int64_t d = 0; d < HEAD_DIM; ++d) {
+            if (bf16)
+                ((uint16_t *)head)[d] = float_to_bf16(h[d]); /* exact: h is rounded already */
+            else
+                ((float *)head)[d] = h[d];
         }
     }
 }

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ("fuse_rms_norms", "is_plain_rms_norm")
 
 # Classes whose forward is exactly `weight * (x * rsqrt(mean(x^2) + variance_epsilon))`.
-_PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+_PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Phi3RMSNorm"})
 
 
 def _fused_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
