@@ -49,6 +49,9 @@ __all__ = ("PagedModelRunner", "SeqChunk", "check_model_supported")
 # RoPE types that depend on the batch's largest position: wrong when sequences are packed.
 _UNSUPPORTED_ROPE = frozenset({"dynamic", "longrope"})
 DECODE_GROUP_SLACK = 256  # tokens; see PagedModelRunner.decode_group_slack
+# bf16/fp16 self-check: a result may differ from the reference by this many times what the model's own two attention
+# implementations differ by (see PagedModelRunner.self_check)
+ROUNDING_FLOOR_FACTOR = 3.0
 
 
 @dataclass(slots=True)
@@ -98,6 +101,10 @@ class PackedStep:
     position_ids: torch.Tensor  # [1, num_tokens] long
     logits_to_keep: torch.Tensor  # [num_sampled] long: packed rows to project, in chunk order
     meta: PagedAttentionMetadata
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm().clamp_min(1e-6)).item()
 
 
 def check_model_supported(model: torch.nn.Module, max_model_len: int | None = None) -> None:
@@ -464,6 +471,13 @@ class PagedModelRunner:
             self.kv_cache.copy_positions(layer, old[positions // bs] * bs + positions % bs, dst)
 
     # ------------------------------------------------------------ self-check
+    def _reference_rows(self, attention: str, a: list[int], b: list[int]) -> torch.Tensor:
+        """The model's own logits, through `attention`, at the rows the self-check compares."""
+        with _attention_implementation(self.model, attention), torch.inference_mode():
+            ref_a = self.model(torch.tensor([a], device=self.device), use_cache=False).logits[0].float()  # [11, vocab]
+            ref_b = self.model(torch.tensor([b], device=self.device), use_cache=False).logits[0].float()  # [7, vocab]
+        return torch.stack([ref_b[4], ref_b[5], ref_a[9], ref_a[10], ref_b[6]])
+
     def self_check(self) -> None:
         """Compare paged logits with the model's own attention on a short mixed workload.
 
@@ -512,13 +526,15 @@ class PagedModelRunner:
                 f"{type(self.model).__name__} did not route every layer's attention through paged attention "
                 f"(layers seen: {sorted(set(calls))})"
             )
-        with _attention_implementation(self.model, self._check_attention), torch.inference_mode():
-            ref_a = self.model(torch.tensor([a], device=self.device), use_cache=False).logits[0].float()  # [11, vocab]
-            ref_b = self.model(torch.tensor([b], device=self.device), use_cache=False).logits[0].float()  # [7, vocab]
         got = torch.cat(ours)  # rows: b4 | b5, a9 | a10, b6
-        want = torch.stack([ref_b[4], ref_b[5], ref_a[9], ref_a[10], ref_b[6]])
-        err = ((got - want).norm() / want.norm().clamp_min(1e-6)).item()
+        want = self._reference_rows(self._check_attention, a, b)
+        err = _relative_error(got, want)
         tol = self.self_check_tolerance
+        if not err <= tol and self.dtype != torch.float32:
+            # The model's own two attention implementations differ by rounding too, and in a deep model it grows
+            # past the fixed bound: allow a few times that measured floor (a wrong mask or slot is ~100x it).
+            other = "sdpa" if self._check_attention != "sdpa" else "eager"
+            tol = max(tol, ROUNDING_FLOOR_FACTOR * _relative_error(self._reference_rows(other, a, b), want))
         if not err <= tol:
             raise ModelLoadError(
                 f"{type(self.model).__name__}: paged attention logits differ from the model's own "
