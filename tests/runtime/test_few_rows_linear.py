@@ -6,13 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenflow.runtime.cpu.few_rows_linear import (
-    AMX_BF16_ROWS,
-    FEW_ROWS,
-    few_rows_linear,
-    load_few_rows_kernels,
-    row_limit,
-)
+from tokenflow.runtime.cpu.few_rows_linear import FEW_ROWS, few_rows_linear, load_few_rows_kernels
 from tokenflow.runtime.cpu.packed_linear import packed_linear
 
 kernels = load_few_rows_kernels()
@@ -36,7 +30,6 @@ def test_products_as_exact_as_torch_for_every_row_count(dtype: torch.dtype, n: i
     calls: list[int] = []
     linear = few_rows_linear(w, b, lambda x: calls.append(x.shape[0]) or F.linear(x, w, b))
     assert linear is not None
-    linear.max_rows = FEW_ROWS  # the kernel's whole range (the engine may give it fewer rows: row_limit)
     for m in (1, 2, 5, 6, 7, 13, FEW_ROWS):
         x = torch.randn(m, k, generator=gen).to(dtype)
         got, torch_out = linear(x), F.linear(x, w, b)
@@ -60,30 +53,13 @@ def test_more_rows_and_other_inputs_take_the_fallback() -> None:
 
     linear = few_rows_linear(w, None, fallback)
     assert linear is not None
-    more = linear.max_rows + 1
-    linear(torch.randn(more, 32).to(dtype))
+    linear(torch.randn(FEW_ROWS + 1, 32).to(dtype))
     linear(torch.randn(2, 3, 32).to(dtype))  # not a plain batch of rows
     other = torch.float64
     linear(torch.randn(2, 32, dtype=other))
     linear.enabled = False
     linear(torch.randn(1, 32).to(dtype))
-    assert calls == [(more, 32), (2, 3, 32), (2, 32), (1, 32)]
-
-
-@pytest.mark.parametrize(("flags", "bf16_rows"), [(frozenset(), FEW_ROWS), (frozenset({"amx_bf16"}), AMX_BF16_ROWS)])
-def test_bf16_on_amx_keeps_the_kernel_to_a_few_rows(monkeypatch: pytest.MonkeyPatch, flags: frozenset[str],
-                                                      bf16_rows: int) -> None:
-    """Where oneDNN has AMX tiles, bf16 products of more than a few rows go to it (fp32 has no AMX path)."""
-    monkeypatch.setattr("tokenflow.runtime.cpu.few_rows_linear.cpu_flags", lambda: flags)
-    assert row_limit(torch.bfloat16) == bf16_rows and row_limit(torch.float32) == FEW_ROWS
-    if torch.bfloat16 in kernels.dtypes:
-        calls: list[int] = []
-        w = torch.randn(64, 32).bfloat16()
-        linear = few_rows_linear(w, None, lambda x: calls.append(x.shape[0]) or F.linear(x, w))
-        assert linear is not None
-        for m in (bf16_rows, bf16_rows + 1):
-            linear(torch.randn(m, 32).bfloat16())
-        assert calls == [bf16_rows + 1]
+    assert calls == [(FEW_ROWS + 1, 32), (2, 3, 32), (2, 32), (1, 32)]
 
 
 def test_a_non_contiguous_input_is_read_as_its_values() -> None:

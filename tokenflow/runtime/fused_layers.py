@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata
 from tokenflow.runtime.cpu.decode_layers import DecodeLayerWeights, NativeDecodeLayers
-from tokenflow.runtime.cpu.few_rows_linear import FewRowsLinear, few_rows_linear
+from tokenflow.runtime.cpu.few_rows_linear import FEW_ROWS, FewRowsLinear, few_rows_linear
 from tokenflow.runtime.cpu.greedy_head import greedy_head_for
 from tokenflow.runtime.cpu.native_kernels import NativeKernels
 from tokenflow.runtime.cpu.packed_linear import (
@@ -280,7 +280,7 @@ class FusedDecoder:
         half = d // 2
         inter = self.intermediate
         # oneDNN's post-op forms for the steps the few-rows kernel does not take (prefill chunks)
-        post_ops = self.post_ops_on and (not self._few_rows or t > self._few_rows[0].max_rows)
+        post_ops = self.post_ops_on and (t > FEW_ROWS or not self._few_rows)
         if self.native_layers is not None and self.native_layers.takes(h, meta):
             self.native_layers.run(h, cos, sin, meta)  # the loop below, in C
             return self._logits(h.index_select(0, logits_to_keep), greedy)

@@ -18,7 +18,7 @@ import torch
 
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata
-from tokenflow.runtime.cpu.few_rows_linear import FewRowsLinear, FewRowsWeight
+from tokenflow.runtime.cpu.few_rows_linear import FEW_ROWS, FewRowsLinear, FewRowsWeight
 from tokenflow.runtime.cpu.native_kernels import NativeKernels
 
 __all__ = ("DecodeLayerWeights", "NativeDecodeLayers")
@@ -92,8 +92,7 @@ class NativeDecodeLayers:
         group read by the native kernel, over a plain cache, with the few-rows kernel enabled."""
         t = h.shape[0]
         cache = meta.kv_cache
-        if not (t <= self.layers[0].qkv.max_rows and h.dtype == self.dtype and meta.native is self.native
-                and len(meta.decodes) == 1
+        if not (t <= FEW_ROWS and h.dtype == self.dtype and meta.native is self.native and len(meta.decodes) == 1
                 and not (meta.prefills or meta.sliding or meta.topk) and meta.static_decode is None
                 and meta.key_scores is None and meta.calls is None and not cache.quantized
                 and not cache.track_key_bounds and cache.k_slots[0].dtype == h.dtype):

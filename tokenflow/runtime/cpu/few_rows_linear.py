@@ -19,17 +19,12 @@ from pathlib import Path
 
 import torch
 
-from tokenflow.runtime.cpu.features import cpu_flags
 from tokenflow.runtime.cpu.native_kernels import FLAGS, load_library
 
-__all__ = ("AMX_BF16_ROWS", "FEW_ROWS", "FewRowsKernels", "FewRowsLinear", "FewRowsWeight", "few_rows_linear",
-           "load_few_rows_kernels", "row_limit")
+__all__ = ("FEW_ROWS", "FewRowsKernels", "FewRowsLinear", "FewRowsWeight", "few_rows_linear", "load_few_rows_kernels")
 
 SOURCE = Path(__file__).with_name("few_rows_linear.c")
 FEW_ROWS = 64  # up to this many rows the kernel (1.1–1.3x oneDNN at 32–64 rows); above, the fallback (oneDNN)
-# bf16 where the CPU has AMX: oneDNN's AMX tiles overtake the kernel's AVX512-BF16 dot products past ~4 rows
-# (docs/benchmarks.md, "Few rows on AMX").
-AMX_BF16_ROWS = 4
 PANEL = 64  # output channels per packed panel (the C kernel's NR)
 
 _P = ctypes.c_void_p
@@ -109,22 +104,16 @@ def load_few_rows_kernels() -> FewRowsKernels | None:
     return kernels if kernels.dtypes else None
 
 
-def row_limit(dtype: torch.dtype) -> int:
-    """The most rows the kernel takes in `dtype` on this CPU: `AMX_BF16_ROWS` for bf16 on AMX, else `FEW_ROWS`."""
-    return AMX_BF16_ROWS if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags() else FEW_ROWS
-
-
 class FewRowsLinear:
-    """A linear layer's forward: the kernel for up to `max_rows` rows (while `enabled`), `fallback` otherwise."""
+    """A linear layer's forward: the kernel for up to `FEW_ROWS` rows (while `enabled`), `fallback` otherwise."""
 
-    __slots__ = ("enabled", "fallback", "kernels", "max_rows", "weight")
+    __slots__ = ("enabled", "fallback", "kernels", "weight")
 
     def __init__(self, weight: FewRowsWeight, kernels: FewRowsKernels, fallback: Linear) -> None:
         self.weight = weight
         self.kernels = kernels
         self.fallback = fallback
         self.enabled = True
-        self.max_rows = row_limit(weight.packed.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.takes(x):
@@ -141,12 +130,12 @@ class FewRowsLinear:
     def takes(self, x: torch.Tensor) -> bool:
         """Whether `x` runs on the kernel (else on the fallback)."""
         weight = self.weight
-        return (self.enabled and x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == weight.packed.dtype
+        return (self.enabled and x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == weight.packed.dtype
                 and x.shape[1] == weight.k)
 
 
 def few_rows_linear(weight: torch.Tensor, bias: torch.Tensor | None, fallback: Linear) -> FewRowsLinear | None:
-    """`x @ weight.T + bias` through the kernel for up to `row_limit` rows and `fallback` above; None where
+    """`x @ weight.T + bias` through the kernel for up to `FEW_ROWS` rows and `fallback` above; None where
     the kernel does not apply (not on CPU, a dtype it lacks here, odd `k` in bf16)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
