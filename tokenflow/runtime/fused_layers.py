@@ -39,13 +39,10 @@ from tokenflow.runtime.cpu.packed_linear import (
     post_ops_available,
 )
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
-from tokenflow.runtime.layer_families import FAMILIES, LayerFamily, LayerWeights, describes, family_for, layer_weights
+from tokenflow.runtime.layer_families import LayerFamily, LayerWeights, describes, family_for, layer_weights
 from tokenflow.runtime.sampler import GreedyTokens
 
 __all__ = ("FusedDecoder", "fused_decoder_for")
-
-# Model types the loop runs (their layers: x + attn(norm(x)); x + mlp(norm(x)), RoPE attention, a SiLU-gated MLP)
-SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -109,19 +106,18 @@ def _gated_down(down: Linear, gate_up: torch.Tensor, inter: int, residual: torch
     return _add_linear(down, native.silu_mul(gate_up), residual)
 
 
-def _head_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module, heads: int, q_end: int,
+def _head_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module, heads: int, kv_heads: int,
                 native: NativeKernels | None) -> None:
     """Qwen3's RMSNorm over each Q head and each K head of `qkv [T, (H + 2 KVH) D]`, in place (transformers
     norms the projections viewed as `[T, heads, D]`; the same arithmetic per head)."""
-    k_rows = qkv[:, q_end:]
+    t, d = qkv.shape[0], qkv.shape[1] // (heads + 2 * kv_heads)
+    q_end = heads * d
     if native is not None and qkv.dtype == q_norm.weight.dtype:
         native.head_rms_norm_(qkv, heads, q_norm.weight, float(q_norm.variance_epsilon))
-        native.head_rms_norm_(k_rows, (qkv.shape[1] - q_end) // (2 * native.head_dim), k_norm.weight,
-                              float(k_norm.variance_epsilon))
+        native.head_rms_norm_(qkv[:, q_end:], kv_heads, k_norm.weight, float(k_norm.variance_epsilon))
         return
-    t, d = qkv.shape[0], q_end // heads
     q = qkv[:, :q_end].view(t, heads, d)
-    k = k_rows[:, : (qkv.shape[1] - q_end) // 2].view(t, -1, d)
+    k = qkv[:, q_end:q_end + kv_heads * d].view(t, kv_heads, d)
     q.copy_(q_norm(q.contiguous()))
     k.copy_(k_norm(k.contiguous()))
 
@@ -290,7 +286,7 @@ class FusedDecoder:
         for index, layer in enumerate(self.layers):
             qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
             if layer.q_norm is not None and layer.k_norm is not None:
-                _head_norms(qkv, layer.q_norm, layer.k_norm, heads, q_end, native)
+                _head_norms(qkv, layer.q_norm, layer.k_norm, heads, kv_heads, native)
             if native is not None:  # the same roundings as the torch ops below, in one pass, in place
                 native.rope_(qkv, heads + kv_heads, cos, sin)
                 q, k = qkv[:, :q_end].view(t, heads, d), qkv[:, q_end:k_end].view(t, kv_heads, d)

@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ("inplace_gated_mlps", "is_gated_silu_mlp")
+__all__ = ("inplace_gated_mlps", "is_gated_silu_mlp", "is_silu")
 
 
 def is_gated_silu_mlp(module: torch.nn.Module) -> bool:
@@ -22,8 +22,12 @@ def is_gated_silu_mlp(module: torch.nn.Module) -> bool:
     parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(p, torch.nn.Linear) and p.bias is None for p in parts):
         return False
-    act = getattr(module, "act_fn", None)  # torch's SiLU or transformers' SiLUActivation
-    return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+    return is_silu(getattr(module, "act_fn", None))
+
+
+def is_silu(module: object) -> bool:
+    """Whether `module` is torch's SiLU or transformers' SiLUActivation."""
+    return isinstance(module, torch.nn.SiLU) or type(module).__name__ in ("SiLUActivation", "SiLU")
 
 
 def _inplace_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

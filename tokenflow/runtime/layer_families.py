@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
+from tokenflow.runtime.gated_mlp import is_silu
 
 __all__ = ("LayerFamily", "LayerWeights", "describes", "family_for", "layer_weights")
 
@@ -68,10 +69,6 @@ def family_for(config: object) -> LayerFamily | None:
     return family
 
 
-def _is_silu(module: object) -> bool:
-    return isinstance(module, torch.nn.SiLU) or type(module).__name__ in ("SiLUActivation", "SiLU")
-
-
 def _linears(owner: object, names: tuple[str, ...]) -> list[torch.nn.Linear] | None:
     parts = [getattr(owner, name, None) for name in names]
     return parts if all(type(p) is torch.nn.Linear for p in parts) else None  # type: ignore[return-value]
@@ -94,7 +91,7 @@ def _parts(layer: torch.nn.Module, family: LayerFamily) -> _Parts | None:
     gate_up, down = _linears(mlp, family.gate_up), _linears(mlp, ("down_proj",))
     if qkv is None or o is None or gate_up is None or down is None:
         return None
-    if any(p.bias is not None for p in (*o, *gate_up, *down)) or not _is_silu(getattr(mlp, family.activation, None)):
+    if any(p.bias is not None for p in (*o, *gate_up, *down)) or not is_silu(getattr(mlp, family.activation, None)):
         return None
     with_bias = [p.bias is not None for p in qkv]
     if any(with_bias) and not (family.qkv_bias and all(with_bias)):
