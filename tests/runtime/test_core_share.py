@@ -85,7 +85,8 @@ async def test_busy_processes_take_threads_away_and_give_them_back(tiny_model) -
         async with anyio.create_task_group() as tg:
             tg.start_soon(keep_busy)
             await anyio.sleep(1.5)
-            assert engine.stats()["cpu_threads"] == 2  # quiet: all of them
+            # quiet: all of them (a host busy with other work may hold one back for a while first)
+            await until(2, 40)
             cores = len(core_share.os.sched_getaffinity(0))
             hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
             try:
