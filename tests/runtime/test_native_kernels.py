@@ -376,6 +376,26 @@ def test_a_second_openmp_runtime_turns_the_kernel_off(tmp_path, monkeypatch: pyt
 
 
 @needs_compiler
+def test_a_vendored_libgomp_beside_torchs_keeps_the_kernels(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sentencepiece's wheel maps its own renamed libgomp when a tokenizer imports it: the kernels' libgomp.so.1
+    still binds to torch's, so they stay on (they were off for every model whose tokenizer loaded
+    sentencepiece, at half the speed)."""
+    from tokenflow.runtime.cpu.openmp_team import loaded_libgomp_paths
+
+    torch_gomp = {p for p in loaded_libgomp_paths() if p.endswith("/libgomp.so.1")}
+    if len(torch_gomp) != 1:
+        pytest.skip("torch here does not use libgomp")
+    vendored = {*torch_gomp, "/site-packages/sentencepiece.libs/libgomp-6a29c32d.so.1.0.0"}
+    monkeypatch.setattr(native_kernels, "loaded_libgomp_paths", lambda: vendored)
+    monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
+    load_native_kernels.cache_clear()
+    try:
+        assert load_native_kernels(64, 3) is not None
+    finally:
+        load_native_kernels.cache_clear()
+
+
+@needs_compiler
 @pytest.mark.parametrize(("start", "t"), [(0, 300), (37, 90), (200, 1)])
 def test_int8_prefill_kernel_equals_the_fp32_one_over_the_dequantised_cache(start: int, t: int) -> None:
     """kv_cache_dtype="int8": the fp32 prefill kernel, dequantising as it packs, gives what the fp32 kernel

@@ -374,9 +374,13 @@ def build_library(compiler: str, folder: Path, source: Path, stem: str, flags: t
 def load_library(source: Path, stem: str, flags: tuple[str, ...], title: str) -> tuple[ctypes.CDLL, Path] | None:
     """Build (once) and load a kernel library, or None (logged) where it cannot be built or would bring
     its own OpenMP runtime."""
-    torch_gomp = loaded_libgomp_paths()
+    loaded_gomp = loaded_libgomp_paths()
+    # The runtime the library's libgomp.so.1 dependency binds to: the one loaded under that name (torch's).
+    # Copies vendored under other names (sentencepiece's wheel maps one as soon as a tokenizer imports it)
+    # bind to no one else, so they do not count.
+    torch_gomp = {path for path in loaded_gomp if Path(path).name == "libgomp.so.1"}
     if len(torch_gomp) != 1:
-        log.info("native kernels off: torch does not use libgomp here (%s)", sorted(torch_gomp) or "none")
+        log.info("native kernels off: torch does not use libgomp here (%s)", sorted(loaded_gomp) or "none")
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
@@ -388,7 +392,7 @@ def load_library(source: Path, stem: str, flags: tuple[str, ...], title: str) ->
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("native kernels off: %s", e)
         return None
-    if loaded_libgomp_paths() != torch_gomp:  # loaded, but bound to a second OpenMP runtime: leave it unused
+    if loaded_libgomp_paths() != loaded_gomp:  # loaded, but bound to a second OpenMP runtime: leave it unused
         log.warning("native kernels off: the kernel loaded a second OpenMP runtime")
         return None
     log.info("native kernels: %s", path)
