@@ -108,3 +108,30 @@ def test_residual_add_is_the_separate_add_bit_for_bit(dtype: torch.dtype) -> Non
         got = linear.add_to(x, residual)
         assert torch.equal(got, residual + linear(x)), m
         assert got.data_ptr() != residual.data_ptr()
+
+
+@pytest.mark.parametrize(("n", "k"), [(100, 64), (960, 576), (130, 1536), (64, 96)])
+def test_tiles_are_as_exact_as_the_register_tile_and_add_residuals_alike(n: int, k: int) -> None:
+    """`tiles` (decode-only steps): AMX tiles past a few bf16 rows where the CPU has them, the register tile
+    elsewhere (k not a multiple of 32, fewer rows, no AMX). Same accuracy against fp64 either way, and the
+    residual form is the separate add's roundings on both."""
+    if torch.bfloat16 not in kernels.dtypes:
+        pytest.skip("no bf16 kernel on this CPU")
+    gen = torch.Generator().manual_seed(k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    linear = few_rows_linear(w, b, lambda x: F.linear(x, w, b))
+    assert linear is not None
+    for m in (1, 4, 5, 16, 17, 40, FEW_ROWS):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        residual = torch.randn(m, n, generator=gen).bfloat16()
+        linear.tiles = False
+        plain = linear(x)
+        linear.tiles = True
+        tiled = linear(x)
+        want = _reference(x, w, b)
+        errors = [((y.double() - want).norm() / want.norm()).item() for y in (plain, tiled)]
+        assert errors[1] <= max(1.01 * errors[0], 2e-3), (m, errors)
+        assert torch.equal(linear.add_to(x, residual), residual + tiled), m
+        if m <= 4 or k % 32 or not kernels.has_tiles:
+            assert torch.equal(tiled, plain), m  # the register tile ran both

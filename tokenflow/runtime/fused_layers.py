@@ -205,6 +205,10 @@ class FusedDecoder:
         # the few-rows kernel's linears, kept here: callers may wrap the layers' callables (bench-step --parts)
         self._few_rows = [f for f in self.linears().values() if isinstance(f, FewRowsLinear)]
         self.post_ops_on = True  # steps of more rows than the few-rows kernel takes run the post-op forms
+        # decode-only steps run the few-rows linears on AMX tiles past a few bf16 rows, where the CPU has them;
+        # steps with a prefill chunk keep the register tile (one arithmetic for a prompt, cached or not)
+        self._tiles_on = False
+        self._tiles_possible = any(f.kernels.has_tiles for f in self._few_rows)
         # decode steps that run entirely through the few-rows and native kernels: all layers in one C call
         self.native_layers = _native_layers(base.layers, self.layers, native, self.intermediate)
 
@@ -243,6 +247,11 @@ class FusedDecoder:
                 f.enabled = True
             self.post_ops_on = True
 
+    def _switch_tiles(self, on: bool) -> None:
+        for f in self._few_rows:
+            f.tiles = on
+        self._tiles_on = on
+
     def set_linear(self, name: str, linear: Linear) -> None:
         """Run `linear` in place of the linear `name` (see `linears`)."""
         if name == "lm_head":
@@ -271,6 +280,8 @@ class FusedDecoder:
         else:
             cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]: one row per token, for every head
         t = h.shape[0]
+        if self._tiles_possible and self._tiles_on != (not meta.prefills):
+            self._switch_tiles(not meta.prefills)
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = heads * d, (heads + kv_heads) * d
         half = d // 2

@@ -71,7 +71,8 @@ class NativeDecodeLayers:
         self.qkv_width = self.layers[0].qkv.weight.n
         self._structs: ctypes.Array[_DecodeLayer] | None = None
         self._cache_key: tuple[int, int] = (0, -1)
-        self._linear_address = ctypes.cast(self.layers[0].qkv.kernels.linear_function, ctypes.c_void_p).value
+        # decode steps only: the few-rows kernel on AMX tiles past a few bf16 rows, as the Python loop's decode steps
+        self._linear_address = ctypes.cast(self.layers[0].qkv.kernels.tiles_function, ctypes.c_void_p).value
 
     def _layer_structs(self, cache: KVCache) -> ctypes.Array[_DecodeLayer]:
         """The layer table, rebuilt when the cache's tensors are not the ones it points at."""

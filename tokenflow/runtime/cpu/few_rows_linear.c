@@ -13,17 +13,30 @@
  * fp32: W packed [n_pad / 16][k][16], one FMA per k and 16 channels.
  * A residual row block may be added as the tile is stored (a layer's `h + o(x)`), saving the separate add.
  * OpenMP splits the panels between torch's threads.
+ *
+ * bf16 on CPUs with AMX (few_rows_linear_tiles): past TILE_MIN_ROWS rows the same packed panels feed AMX
+ * tiles (the packing is the tiles' pair layout), up to 16 rows x 64 channels per pass; the register tile's
+ * dot products cannot keep up with the memory stream there (16 rows: ~3x slower than oneDNN's AMX product).
+ * The caller picks the entry point: a prompt's prefill keeps few_rows_linear at every row count, so that a
+ * prompt computes the same roundings whether part of it came from the prefix cache or not.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "bf16.h"
 
 #define MR 6  /* rows per register tile */
 #define NV 4  /* 16-channel vectors per register tile */
 #define NR 64 /* output channels per panel: NV * 16 */
+/* bf16 rows past which few_rows_linear_tiles runs AMX tiles: at 2 rows the register tile is 1.5-3x faster than
+ * oneDNN's AMX product, at 4 about even, at 8 1.1-1.8x slower (scripts/few_rows_crossover.py) */
+#define TILE_MIN_ROWS 4
 
 int few_rows_bf16_available(void)
 {
@@ -65,6 +78,26 @@ static inline __attribute__((always_inline)) void fetch_ahead(Ahead *a, int64_t 
 /* Rows 0 .. mr of the tile's output for channels n0 .. n0 + 64, from its fp32 accumulators; with a
  * `residual` (rows like the output's), the output is residual + product, the product rounded to the
  * dtype first: the roundings of a separate add. */
+static inline __attribute__((always_inline)) void store_vector(__m512 v, __mmask16 mask, const void *residual,
+                                                               void *out, int64_t at, int bf16)
+{
+#if defined(__AVX512BF16__)
+    if (bf16) {
+        __m256i y = (__m256i)_mm512_cvtneps_pbh(v);
+        if (residual) {
+            const __m256i add = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)residual + at);
+            v = _mm512_add_ps(widen_bf16(y), widen_bf16(add));
+            y = (__m256i)_mm512_cvtneps_pbh(v);
+        }
+        _mm256_mask_storeu_epi16((uint16_t *)out + at, mask, y);
+        return;
+    }
+#endif
+    if (residual)
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, (const float *)residual + at));
+    _mm512_mask_storeu_ps((float *)out + at, mask, v);
+}
+
 static inline __attribute__((always_inline)) void store_tile(const int mr, __m512 acc[MR][NV], const float *bias,
                                                              int64_t n, int64_t n0, const void *residual, void *out,
                                                              int bf16)
@@ -75,24 +108,8 @@ static inline __attribute__((always_inline)) void store_tile(const int mr, __m51
             break;
         const __mmask16 mask = n - c >= 16 ? 0xFFFF : (__mmask16)((1u << (n - c)) - 1);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
-        for (int r = 0; r < mr; ++r) {
-            __m512 v = _mm512_add_ps(acc[r][h], b);
-#if defined(__AVX512BF16__)
-            if (bf16) {
-                __m256i y = (__m256i)_mm512_cvtneps_pbh(v);
-                if (residual) {
-                    const __m256i add = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)residual + r * n + c);
-                    v = _mm512_add_ps(widen_bf16(y), widen_bf16(add));
-                    y = (__m256i)_mm512_cvtneps_pbh(v);
-                }
-                _mm256_mask_storeu_epi16((uint16_t *)out + r * n + c, mask, y);
-                continue;
-            }
-#endif
-            if (residual)
-                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, (const float *)residual + r * n + c));
-            _mm512_mask_storeu_ps((float *)out + r * n + c, mask, v);
-        }
+        for (int r = 0; r < mr; ++r)
+            store_vector(_mm512_add_ps(acc[r][h], b), mask, residual, out, r * n + c, bf16);
     }
 }
 
@@ -153,6 +170,121 @@ static inline __attribute__((always_inline)) void tile_bf16(const int mr, const 
 
 #endif
 
+
+/* ------------------------------------------------------------------------------------------------
+ * AMX tiles (bf16): tmm0-3 the 4 accumulators of a 64-channel panel (rows x 16 fp32 each), tmm4 the rows'
+ * next 32 k, tmm5-7 the panel's weights for them (16 k-pairs x 16 channels: one packed run of 1 KiB).
+ * --------------------------------------------------------------------------------------------- */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define HAVE_TILES 1
+#define TILE_ROWS 16
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int tiles_state = -1; /* -1: not asked yet */
+
+/* Linux gives a process the tiles' register state only once it asks (ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA); torch's oneDNN asks too, the answer is the process's. */
+static int tiles_permitted(void)
+{
+    if (tiles_state < 0)
+        tiles_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return tiles_state;
+}
+
+static void configure_tiles(int rows)
+{
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.colsb[t] = 64;
+        config.rows[t] = t < 5 ? (uint8_t)rows : 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Rows r0 .. r0 + rows (<= 16) of channels n0 .. n0 + 64, k a multiple of 32; tiles configured for `rows`. */
+static void tile_pass(int rows, const uint16_t *x, int64_t k, const uint16_t *w, const float *bias, int64_t n,
+                      int64_t n0, const void *residual, void *out, int out_bf16)
+{
+    const int64_t k2 = k / 2, stride = k * 2;
+    const uint16_t *panel = w + (n0 / 16) * k2 * 32;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t j = 0; j < k2; j += 16) {
+        _tile_loadd(4, x + 2 * j, stride);
+        _tile_loadd(5, panel + j * 32, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, panel + (k2 + j) * 32, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, panel + (2 * k2 + j) * 32, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, panel + (3 * k2 + j) * 32, 64);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    float acc[TILE_ROWS][NR];
+    _tile_stored(0, acc[0], NR * 4);
+    _tile_stored(1, acc[0] + 16, NR * 4);
+    _tile_stored(2, acc[0] + 32, NR * 4);
+    _tile_stored(3, acc[0] + 48, NR * 4);
+    for (int h = 0; h < NV; ++h) {
+        const int64_t c = n0 + 16 * h;
+        if (c >= n)
+            break;
+        const __mmask16 mask = n - c >= 16 ? 0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; ++r)
+            store_vector(_mm512_add_ps(_mm512_loadu_ps(acc[r] + 16 * h), b), mask, residual, out, r * n + c,
+                         out_bf16);
+    }
+}
+
+/* The product of `product` on the tiles: OpenMP over (panel, 16-row block), each thread configuring its
+ * tiles for the block's row count and releasing them at the end. */
+static void tiles_product(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, const float *bias, int64_t n,
+                          int64_t n_pad, const uint16_t *residual, uint16_t *out)
+{
+    const int64_t panels = n_pad / NR, blocks = (m + TILE_ROWS - 1) / TILE_ROWS;
+#pragma omp parallel
+    {
+        int configured = 0;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            for (int64_t blk = 0; blk < blocks; ++blk) {
+                const int64_t r0 = blk * TILE_ROWS;
+                const int rows = (int)(m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS);
+                if (rows != configured) {
+                    configure_tiles(rows);
+                    configured = rows;
+                }
+                tile_pass(rows, x + r0 * k, k, w, bias, n, p * NR, residual ? residual + r0 * n : NULL,
+                          out + r0 * n, 1);
+            }
+        }
+        if (configured)
+            _tile_release();
+    }
+}
+#else
+#define HAVE_TILES 0
+#endif
+
+int few_rows_tiles_available(void)
+{
+#if HAVE_TILES
+    return tiles_permitted();
+#else
+    return 0;
+#endif
+}
+
 #define TILES(CALL)                                                                                              \
     switch (rows) { /* a constant row count per case: the tile's loops unroll into registers */                 \
     case 6: CALL(6); break;                                                                                      \
@@ -163,14 +295,23 @@ static inline __attribute__((always_inline)) void tile_bf16(const int mr, const 
     default: CALL(1); break;                                                                                     \
     }
 
-/* few_rows_linear, and with `out_f32` fp32 output from bf16 inputs (the greedy head's estimates). */
+/* few_rows_linear, and with `out_f32` fp32 output from bf16 inputs (the greedy head's estimates); with `tiles`,
+ * on AMX tiles past TILE_MIN_ROWS bf16 rows where this CPU has them. */
 static int product(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias, int64_t n,
-                   int64_t n_pad, const void *residual, int out_f32, void *out)
+                   int64_t n_pad, const void *residual, int out_f32, int tiles, void *out)
 {
     if (!(bf16 ? few_rows_bf16_available() : few_rows_f32_available()))
         return 2;
     if ((bf16 && k % 2) || n_pad % NR || n > n_pad)
         return 1;
+#if HAVE_TILES
+    if (tiles && bf16 && !out_f32 && m > TILE_MIN_ROWS && k % 32 == 0 && tiles_permitted()) {
+        tiles_product(x, m, k, w, bias, n, n_pad, residual, out);
+        return 0;
+    }
+#else
+    (void)tiles;
+#endif
     const int64_t panels = n_pad / NR, blocks = (m + MR - 1) / MR;
     const int64_t panel_bytes = k * NR * (bf16 ? 2 : 4), panel_lines = panel_bytes / 64, later = m - MR;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -212,7 +353,14 @@ static int product(const void *x, int bf16, int64_t m, int64_t k, const void *w,
 int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias, int64_t n,
                     int64_t n_pad, const void *residual, void *out)
 {
-    return product(x, bf16, m, k, w, bias, n, n_pad, residual, 0, out);
+    return product(x, bf16, m, k, w, bias, n, n_pad, residual, 0, 0, out);
+}
+
+/* few_rows_linear on AMX tiles past TILE_MIN_ROWS bf16 rows (where this CPU has them; see the top). */
+int few_rows_linear_tiles(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias,
+                          int64_t n, int64_t n_pad, const void *residual, void *out)
+{
+    return product(x, bf16, m, k, w, bias, n, n_pad, residual, 0, 1, out);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -273,7 +421,7 @@ int few_rows_greedy_f32(const float *x, int64_t m, int64_t k, const uint16_t *w_
         return 3;
     for (int64_t i = 0; i < m * k; i += 16)
         _mm256_storeu_si256((__m256i *)(x_bf16 + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-    product(x_bf16, 1, m, k, w_bf16, NULL, n, n_pad, NULL, 1, estimates);
+    product(x_bf16, 1, m, k, w_bf16, NULL, n, n_pad, NULL, 1, 0, estimates);
     const double g = k * 0x1p-24 / (1.0 - k * 0x1p-24);
     int unsettled = 0;
 #pragma omp parallel for schedule(dynamic, 1)
@@ -339,8 +487,16 @@ int few_rows_greedy_f32(const float *x, int64_t m, int64_t k, const uint16_t *w_
 
 #else /* no AVX512: both few_rows_*_available() say 0 and nothing calls these */
 
+int few_rows_tiles_available(void) { return 0; }
+
 int few_rows_linear(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias, int64_t n,
                     int64_t n_pad, const void *residual, void *out)
+{
+    return 2;
+}
+
+int few_rows_linear_tiles(const void *x, int bf16, int64_t m, int64_t k, const void *w, const float *bias,
+                          int64_t n, int64_t n_pad, const void *residual, void *out)
 {
     return 2;
 }

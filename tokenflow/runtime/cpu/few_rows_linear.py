@@ -63,9 +63,15 @@ class FewRowsKernels:
             available[dtype] = bool(check())
         self.dtypes = frozenset(dtype for dtype, ok in available.items() if ok)
         self._linear = library.few_rows_linear
-        self._linear.argtypes = (_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, _P)
-        self._linear.restype = ctypes.c_int
+        self._tiles = library.few_rows_linear_tiles
+        for function in (self._linear, self._tiles):
+            function.argtypes = (_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, _P)
+            function.restype = ctypes.c_int
+        tiles_available = library.few_rows_tiles_available
+        tiles_available.restype = ctypes.c_int
+        self.has_tiles = bool(tiles_available())  # AMX tiles past a few bf16 rows (`few_rows_linear_tiles`)
         self.linear_function = self._linear  # for native loops that call the kernel themselves (decode_layers)
+        self.tiles_function = self._tiles  # the same, on AMX tiles past a few bf16 rows: for decode-only steps
         self.greedy_function = library.few_rows_greedy_f32  # greedy rows' tokens of an fp32 head (greedy_head)
         self.greedy_function.argtypes = (_P, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P)
         self.greedy_function.restype = ctypes.c_int
@@ -77,18 +83,21 @@ class FewRowsKernels:
             raise ValueError(f"few-rows linear wants {want}, got {x.dtype} {tuple(x.shape)}")
         return self.product(x, weight)
 
-    def product(self, x: torch.Tensor, weight: FewRowsWeight, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def product(self, x: torch.Tensor, weight: FewRowsWeight, residual: torch.Tensor | None = None,
+                tiles: bool = False) -> torch.Tensor:
         """`linear` for an `x` the caller has checked (the layers' hot path); plus a contiguous `residual
         [m, n]` of x's dtype when given (each product rounded to the dtype, then added: a separate add's
-        roundings)."""
+        roundings); with `tiles`, on AMX tiles past a few bf16 rows where the CPU has them (other roundings
+        than the register tile's: for decode-only steps, see the C file's top)."""
         if not x.is_contiguous():
             x = x.contiguous()
         m = x.shape[0]
         out = torch.empty((m, weight.n), dtype=x.dtype)
         bias = weight.bias.data_ptr() if weight.bias is not None else None
         added = residual.data_ptr() if residual is not None else None
-        status = self._linear(x.data_ptr(), x.dtype == torch.bfloat16, m, weight.k, weight.packed.data_ptr(), bias,
-                              weight.n, weight.n_pad, added, out.data_ptr())
+        function = self._tiles if tiles else self._linear
+        status = function(x.data_ptr(), x.dtype == torch.bfloat16, m, weight.k, weight.packed.data_ptr(), bias,
+                          weight.n, weight.n_pad, added, out.data_ptr())
         if status != 0:
             raise ValueError(f"few_rows_linear refused its arguments (status {status})")
         return out
@@ -105,27 +114,29 @@ def load_few_rows_kernels() -> FewRowsKernels | None:
 
 
 class FewRowsLinear:
-    """A linear layer's forward: the kernel for up to `FEW_ROWS` rows (while `enabled`), `fallback` otherwise."""
+    """A linear layer's forward: the kernel for up to `FEW_ROWS` rows (while `enabled`), `fallback` otherwise;
+    with `tiles` (set by the decoder for decode-only steps), AMX tiles past a few bf16 rows."""
 
-    __slots__ = ("enabled", "fallback", "kernels", "weight")
+    __slots__ = ("enabled", "fallback", "kernels", "tiles", "weight")
 
     def __init__(self, weight: FewRowsWeight, kernels: FewRowsKernels, fallback: Linear) -> None:
         self.weight = weight
         self.kernels = kernels
         self.fallback = fallback
         self.enabled = True
+        self.tiles = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.takes(x):
             return self.fallback(x)
-        return self.kernels.product(x, self.weight)
+        return self.kernels.product(x, self.weight, tiles=self.tiles)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual + self(x)`, the add done as the kernel stores its output (a new tensor)."""
         if not (self.takes(x) and residual.shape == (x.shape[0], self.weight.n) and residual.dtype == x.dtype
                 and residual.is_contiguous()):
             return residual + self(x)
-        return self.kernels.product(x, self.weight, residual)
+        return self.kernels.product(x, self.weight, residual, self.tiles)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether `x` runs on the kernel (else on the fallback)."""
