@@ -85,10 +85,11 @@ def _randomize_norms(folder) -> None:
     model.save_pretrained(folder)
 
 
-# qwen3: per-head Q/K norms; phi3: Q, K, V and gate/up stored as single projections; gemma: not a family the
-# fused layers run (its HF modules)
+# qwen3: per-head Q/K norms; phi3: Q, K, V and gate/up stored as single projections; granite: embedding, residual,
+# attention and logit multipliers; olmo2: norms on the sublayers' outputs and over all of Q and K; gemma: not a
+# family the fused layers run (its HF modules)
 @pytest.mark.parametrize(("arch", "fused"), [("qwen2", True), ("qwen3", True), ("mistral", True), ("phi3", True),
-                                             ("gemma", False)])
+                                             ("granite", True), ("olmo2", True), ("gemma", False)])
 async def test_paged_greedy_on_other_architectures(tmp_path, arch, fused) -> None:
     from tokenflow.testing import build_tiny_model
 

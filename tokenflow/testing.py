@@ -59,6 +59,8 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any) ->
         "mistral": transformers.MistralConfig,
         "phi3": transformers.Phi3Config,
         "gemma": transformers.GemmaConfig,
+        "granite": transformers.GraniteConfig,
+        "olmo2": transformers.Olmo2Config,
     }
     base: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -69,6 +71,8 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any) ->
         base["sliding_window"] = None
     if arch == "phi3":
         base["pad_token_id"] = None  # its default (32000) lies past a tiny vocabulary
+    if arch == "granite":  # multipliers away from 1, as Granite 3's: each one left out changes the output
+        base.update(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.5)
     if arch == "gemma":
         base["head_dim"] = 16  # its default (256) is not hidden / heads
     base.update(overrides)

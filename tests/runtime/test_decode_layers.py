@@ -30,8 +30,8 @@ def _python_loop(runner: PagedModelRunner, chunks: list[SeqChunk]) -> torch.Tens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# GQA, MHA, biases on Q, K, V, per-head Q/K norms, single QKV and gate/up projections
-@pytest.mark.parametrize("name", ["llama", "llama-mha", "qwen2", "qwen3", "phi3"])
+# GQA, MHA, biases on Q, K, V, per-head Q/K norms, single QKV and gate/up projections, Granite's multipliers
+@pytest.mark.parametrize("name", ["llama", "llama-mha", "qwen2", "qwen3", "phi3", "granite"])
 def test_decode_steps_equal_the_python_loop(name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     runner, pool = _runner(name, dtype)
     loop = runner.fused.native_layers

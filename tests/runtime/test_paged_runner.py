@@ -12,10 +12,12 @@ from collections.abc import Callable
 import pytest
 import torch
 from transformers import (
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
@@ -31,6 +33,7 @@ from tokenflow.kv.kv_cache import KVCache
 from tokenflow.runtime.attention import matmul as matmul_attention
 from tokenflow.runtime.attention.paged import UnsupportedAttentionFeature
 from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
+from tokenflow.testing import tiny_config
 
 COMMON = dict(
     hidden_size=64,
@@ -51,6 +54,8 @@ MODELS: dict[str, Callable[[], PreTrainedModel]] = {
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=16)),
     "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None)),
     "phi3": lambda: Phi3ForCausalLM(Phi3Config(**COMMON, pad_token_id=0)),
+    "granite": lambda: GraniteForCausalLM(tiny_config("granite", **COMMON)),
+    "olmo2": lambda: Olmo2ForCausalLM(tiny_config("olmo2", **COMMON)),
 }
 
 
@@ -172,12 +177,14 @@ def test_bf16_cpu_kernels_is_transformers_eager_arithmetic(
     assert compared == 12 and all(s.cached == len(t) for s, t in zip(seqs, full))  # 1 + 3 + 8 rows
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "olmo2"])
 def test_greedy_matches_generate(name: str) -> None:
     model = build(name)
     ref = copy.deepcopy(model)
     runner, pool = make_runner(model)
     assert runner.fused is not None  # every family here runs on the fused layers
+    if name == "olmo2":  # its norm placement runs in the Python loop only (the C loop is Llama's placement)
+        assert runner.fused.native_layers is None
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
     new = 10

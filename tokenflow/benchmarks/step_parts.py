@@ -64,8 +64,9 @@ def _install(runner: Any, timer: _PartTimer) -> None:
             layer.mlp = timer.wrap("linears", layer.mlp)
         if layer.o_residual is not None:
             layer.o_residual = _TimedResidual(layer.o_residual, timer)
-        layer.input_norm = timer.wrap("norms", layer.input_norm)
-        layer.post_norm = timer.wrap("norms", layer.post_norm)
+        for name in ("input_norm", "post_norm", "attention_out_norm", "mlp_out_norm"):
+            if getattr(layer, name) is not None:
+                setattr(layer, name, timer.wrap("norms", getattr(layer, name)))
     fused._logits = timer.wrap("head", fused._logits)  # the final norm and the head, or the greedy head
     cache = runner.kv_cache
     runner._attention[cache.quantized] = timer.wrap("attention", runner.attention_for(cache))

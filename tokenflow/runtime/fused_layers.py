@@ -13,7 +13,7 @@ Same arithmetic as transformers in the same order (a projection of concatenated 
 each output as the separate projection does; norms after selecting the sampled rows are row-wise),
 so fp32 greedy output stays token-identical; the runner's self-check compares it with the model's
 own attention at load. Models whose layers do anything their family's description does not say (logit
-soft-capping, embedding scales, parallel blocks, another activation) are not matched and keep running through
+soft-capping, parallel blocks, another activation) are not matched and keep running through
 their HF modules.
 """
 
@@ -39,7 +39,16 @@ from tokenflow.runtime.cpu.packed_linear import (
     post_ops_available,
 )
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
-from tokenflow.runtime.layer_families import LayerFamily, LayerWeights, describes, family_for, layer_weights
+from tokenflow.runtime.layer_families import (
+    LayerFamily,
+    LayerWeights,
+    describes,
+    embedding_multiplier,
+    family_for,
+    final_norm_runs,
+    head_weight,
+    layer_weights,
+)
 from tokenflow.runtime.sampler import GreedyTokens
 
 __all__ = ("FusedDecoder", "fused_decoder_for")
@@ -47,17 +56,23 @@ __all__ = ("FusedDecoder", "fused_decoder_for")
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
+Norm = Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass(slots=True)
 class _Layer:
-    input_norm: Callable[[torch.Tensor], torch.Tensor]
+    input_norm: Norm | None  # before attention (None: the family has none there, OLMo2)
     qkv: Linear  # [T, hidden] -> [T, (H + 2 KVH) D]
     o: Linear
-    post_norm: Callable[[torch.Tensor], torch.Tensor]
+    post_norm: Norm | None  # before the MLP
     gate_up: Linear  # [T, hidden] -> [T, 2 I]
     down: Linear
     scale: float
     q_norm: torch.nn.Module | None = None  # Qwen3: RMSNorm over each Q and each K head, before RoPE
     k_norm: torch.nn.Module | None = None
+    width_norms: bool = False  # OLMo2: q_norm and k_norm over all of Q and all of K instead
+    attention_out_norm: Norm | None = None  # OLMo2: on the output projection, before the residual add
+    mlp_out_norm: Norm | None = None  # OLMo2: on the down projection, before the residual add
     # oneDNN's post-op forms (CPU, packed weights): the output projection with the residual add, and the MLP
     o_residual: PackedLinear | None = None
     mlp: PackedGatedMLP | None = None
@@ -81,8 +96,11 @@ def _post_op_layer(weights: LayerWeights, pack: bool) -> tuple[PackedLinear, Pac
     return PackedLinear(weight), PackedGatedMLP(weights.gate_up[:inter], weights.gate_up[inter:], weights.down)
 
 
-def _normed_linear(linear: Linear, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`linear(norm(x))`: one call where the linear forms its input's norm itself (int8's `normed`)."""
+def _normed_linear(linear: Linear, norm: Norm | None, x: torch.Tensor) -> torch.Tensor:
+    """`linear(norm(x))` (`linear(x)` without a norm): one call where the linear forms its input's norm itself
+    (int8's `normed`)."""
+    if norm is None:
+        return linear(x)
     normed = getattr(linear, "normed", None)
     return normed(x, norm) if normed is not None else linear(norm(x))
 
@@ -94,16 +112,23 @@ def _add_linear(linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> torc
     return residual + linear(x)
 
 
+def _silu_product(gate_up: torch.Tensor, inter: int, native: NativeKernels | None) -> torch.Tensor:
+    """`silu(gate) * up` of `gate_up [T, 2 I]`: one native pass, or two torch ops."""
+    if native is None:
+        return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+    return native.silu_mul(gate_up)
+
+
 def _gated_down(down: Linear, gate_up: torch.Tensor, inter: int, residual: torch.Tensor,
-                native: NativeKernels | None) -> torch.Tensor:
-    """`residual + down(silu(gate) * up)`: one call where the linear forms the product itself (int8's `gated`),
-    else the product in one native pass (or two torch ops) and the down projection with the add."""
+                native: NativeKernels | None, out_norm: Norm | None = None) -> torch.Tensor:
+    """`residual + down(silu(gate) * up)` (`residual + out_norm(down(...))` with an `out_norm`): one call where the
+    linear forms the product itself (int8's `gated`), else the product and the down projection with the add."""
     gated = getattr(down, "gated", None)
+    if out_norm is not None:
+        return residual + out_norm(gated(gate_up) if gated is not None else down(_silu_product(gate_up, inter, native)))
     if gated is not None:
         return residual + gated(gate_up)
-    if native is None:
-        return _add_linear(down, F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]), residual)
-    return _add_linear(down, native.silu_mul(gate_up), residual)
+    return _add_linear(down, _silu_product(gate_up, inter, native), residual)
 
 
 def _head_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module, heads: int, kv_heads: int,
@@ -122,20 +147,31 @@ def _head_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Mod
     k.copy_(k_norm(k.contiguous()))
 
 
-def _native_layers(modules: torch.nn.ModuleList, layers: list[_Layer], native: NativeKernels | None,
-                   inter: int) -> NativeDecodeLayers | None:
-    """The C loop over `layers` (`tokenflow.runtime.cpu.decode_layers`) where every one runs its four linears on
-    the few-rows kernel and its norms share one epsilon; else None."""
+def _width_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module, q_end: int, k_end: int) -> None:
+    """OLMo2's RMSNorm over all of Q and all of K of `qkv`, in place (transformers norms each projection whole,
+    before splitting it into heads)."""
+    qkv[:, :q_end] = q_norm(qkv[:, :q_end])
+    qkv[:, q_end:k_end] = k_norm(qkv[:, q_end:k_end])
+
+
+def _native_layers(layers: list[_Layer], native: NativeKernels | None, inter: int) -> NativeDecodeLayers | None:
+    """The C loop over `layers` (`tokenflow.runtime.cpu.decode_layers`) where every one is a norm-before layer
+    (Llama's placement, per-head Q/K norms at most), runs its four linears on the few-rows kernel, and its norms
+    share one epsilon; else None."""
     if native is None or not layers:
         return None
     weights = []
     epsilons = set()
-    for module, layer in zip(modules, layers, strict=True):
+    for layer in layers:
         linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
         if not all(isinstance(f, FewRowsLinear) for f in linears):
             return None
+        if layer.width_norms or layer.attention_out_norm is not None or layer.mlp_out_norm is not None:
+            return None
         head_norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else ()
-        norms = (module.input_layernorm, module.post_attention_layernorm, *head_norms)
+        norms = [n for n in (layer.input_norm, layer.post_norm, *head_norms) if is_plain_rms_norm(n)]
+        if len(norms) != 2 + len(head_norms):
+            return None
         epsilons.update(float(n.variance_epsilon) for n in norms)
         weights.append(DecodeLayerWeights(norms[0].weight, norms[1].weight, *linears, scale=layer.scale,
                                           q_norm=head_norms[0].weight if head_norms else None,
@@ -156,7 +192,7 @@ def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = Fa
     lm_head = getattr(model, "lm_head", None)
     if family is None or layers is None or not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
         return None
-    if getattr(base, "rotary_emb", None) is None or not is_plain_rms_norm(getattr(base, "norm", None)):
+    if getattr(base, "rotary_emb", None) is None or not final_norm_runs(model, family):
         return None
     if not all(describes(layer, family) for layer in layers):
         return None
@@ -175,11 +211,13 @@ class FusedDecoder:
         self.model = model
         self.family = family
         self.embed = base.embed_tokens
+        self.embed_multiplier = embedding_multiplier(model, family)
         self.rotary = base.rotary_emb
         self.final_norm = base.norm
-        self.lm_head = _linear(model.lm_head.weight, None, pack, few_rows)
+        self.head_weight = head_weight(model, family)
+        self.lm_head = _linear(self.head_weight, None, pack, few_rows)
         # greedy steps' tokens without the fp32 head's logits (fp32 few-rows head, AVX512-BF16)
-        self.greedy_head = greedy_head_for(self.lm_head, model.lm_head.weight, int(model.config.vocab_size))
+        self.greedy_head = greedy_head_for(self.lm_head, self.head_weight, int(model.config.vocab_size))
         self.num_heads = model.config.num_attention_heads
         self.head_dim = base.layers[0].self_attn.head_dim
         self.layers: list[_Layer] = []
@@ -187,7 +225,9 @@ class FusedDecoder:
             # one layer's concatenations at a time: the linears pack copies of their own
             w = layer_weights(layer, family)
             qkv = _linear(w.qkv, w.qkv_bias, pack, few_rows)
-            fused_ops = _post_op_layer(w, pack) if post_ops else None
+            attention_in, attention_out, mlp_in, mlp_out = w.norms
+            # the post-op forms add the residual to the projection itself: not where a norm comes between
+            fused_ops = _post_op_layer(w, pack) if post_ops and attention_out is None and mlp_out is None else None
             if fused_ops is None:
                 o, gate_up, down = (_linear(x, None, pack, few_rows) for x in (w.o, w.gate_up, w.down))
             else:  # the few-rows kernel in front of the post-ops' packed weights (no third copy)
@@ -196,8 +236,9 @@ class FusedDecoder:
                                     for x, fallback in ((w.o, o_residual), (w.gate_up, packed_mlp.gate_up),
                                                         (w.down, packed_mlp.down)))
             self.layers.append(_Layer(
-                input_norm=layer.input_layernorm, qkv=qkv, o=o, post_norm=layer.post_attention_layernorm,
-                gate_up=gate_up, down=down, scale=float(layer.self_attn.scaling), q_norm=w.q_norm, k_norm=w.k_norm,
+                input_norm=attention_in, qkv=qkv, o=o, post_norm=mlp_in, gate_up=gate_up, down=down,
+                scale=float(layer.self_attn.scaling), q_norm=w.q_norm, k_norm=w.k_norm, width_norms=family.width_norms,
+                attention_out_norm=attention_out, mlp_out_norm=mlp_out,
                 o_residual=fused_ops and fused_ops[0], mlp=fused_ops and fused_ops[1],
             ))
         self.intermediate = w.down.shape[1]
@@ -210,7 +251,7 @@ class FusedDecoder:
         self._tiles_on = False
         self._tiles_possible = any(f.kernels.has_tiles for f in self._few_rows)
         # decode steps that run entirely through the few-rows and native kernels: all layers in one C call
-        self.native_layers = _native_layers(base.layers, self.layers, native, self.intermediate)
+        self.native_layers = _native_layers(self.layers, native, self.intermediate)
 
     def linear_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of every linear the loop runs, by name (`layers.<i>.qkv` / `.o` / `.gate_up` /
@@ -222,7 +263,7 @@ class FusedDecoder:
             out[f"layers.{i}.o"] = (w.o, None)
             out[f"layers.{i}.gate_up"] = (w.gate_up, None)
             out[f"layers.{i}.down"] = (w.down, None)
-        out["lm_head"] = (self.model.lm_head.weight, None)
+        out["lm_head"] = (self.head_weight, None)
         return out
 
     def linears(self) -> dict[str, Linear]:
@@ -273,9 +314,12 @@ class FusedDecoder:
         with `greedy` (every row samples its argmax and nothing else), the rows' tokens where the greedy
         head settles them."""
         h = self.embed(input_ids[0])  # [T, hidden]
-        cos, sin = self.rotary(h, position_ids)  # [1, T, D] each, in h's dtype
+        if self.embed_multiplier != 1.0:
+            h = h * self.embed_multiplier
+        cos, sin = self.rotary(h, position_ids)  # [1, T, D] each, in h's dtype (OLMo2: fp32 at every dtype)
         native = self.native if h.dtype in (torch.bfloat16, torch.float32) else None
-        if native is not None:
+        native_rope = native is not None and cos.dtype == h.dtype
+        if native_rope:
             cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
         else:
             cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]: one row per token, for every head
@@ -297,15 +341,18 @@ class FusedDecoder:
         for index, layer in enumerate(self.layers):
             qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
             if layer.q_norm is not None and layer.k_norm is not None:
-                _head_norms(qkv, layer.q_norm, layer.k_norm, heads, kv_heads, native)
-            if native is not None:  # the same roundings as the torch ops below, in one pass, in place
+                if layer.width_norms:
+                    _width_norms(qkv, layer.q_norm, layer.k_norm, q_end, k_end)
+                else:
+                    _head_norms(qkv, layer.q_norm, layer.k_norm, heads, kv_heads, native)
+            if native_rope:  # the same roundings as the torch ops below, in one pass, in place
                 native.rope_(qkv, heads + kv_heads, cos, sin)
                 q, k = qkv[:, :q_end].view(t, heads, d), qkv[:, q_end:k_end].view(t, kv_heads, d)
             else:
                 qk = qkv[:, :k_end].view(t, heads + kv_heads, d)
                 # RoPE on Q and K in one pass, as transformers' apply_rotary_pos_emb: x cos + rotate_half(x) sin
                 rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-                qk = qk * cos + rotated * sin  # [T, H + KVH, D]
+                qk = (qk * cos + rotated * sin).to(h.dtype)  # [T, H + KVH, D]; OLMo2 rotates in fp32, then rounds
                 q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, k_end:].view(t, kv_heads, d)
             out = attention(index, q, k, v, meta, layer.scale)  # [T, H, D]
@@ -316,15 +363,17 @@ class FusedDecoder:
                     return self._logits(h[:0], False)
                 out, h = out.index_select(0, logits_to_keep), h.index_select(0, logits_to_keep)
                 t = h.shape[0]
-            if post_ops and layer.o_residual is not None:
+            if layer.attention_out_norm is not None:
+                h = h + layer.attention_out_norm(layer.o(out.reshape(t, q_end)))
+            elif post_ops and layer.o_residual is not None:
                 h = layer.o_residual.add_to(out.reshape(t, q_end), h)
             else:
                 h = _add_linear(layer.o, out.reshape(t, q_end), h)
-            if post_ops and layer.mlp is not None:
+            if post_ops and layer.mlp is not None and layer.post_norm is not None:
                 h = layer.mlp(layer.post_norm(h), h)
                 continue
             gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
-            h = _gated_down(layer.down, gate_up, inter, h, native)
+            h = _gated_down(layer.down, gate_up, inter, h, native, layer.mlp_out_norm)
         return self._logits(h, greedy)
 
     def _logits(self, rows: torch.Tensor, greedy: bool) -> torch.Tensor | GreedyTokens:

@@ -19,14 +19,16 @@ import torch
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
 from tokenflow.runtime.gated_mlp import is_silu
 
-__all__ = ("LayerFamily", "LayerWeights", "describes", "family_for", "layer_weights")
+__all__ = ("LayerFamily", "LayerWeights", "describes", "embedding_multiplier", "family_for", "final_norm_runs",
+           "head_weight", "layer_weights")
 
 
 @dataclass(frozen=True, slots=True)
 class LayerFamily:
-    """Where a family's layer keeps what the fused layer runs: `norm(x)`, one QKV projection (biases allowed
-    where `qkv_bias`), [per-head Q/K norms], RoPE, attention, the output projection plus the residual,
-    `norm(x)`, one gate+up projection, SiLU product, the down projection plus the residual."""
+    """Where a family's layer keeps what the fused layer runs: [`norm(x)`], one QKV projection (biases allowed
+    where `qkv_bias`), [Q/K norms], RoPE, attention, the output projection [normed] plus the residual, [`norm(x)`],
+    one gate+up projection, SiLU product, the down projection [normed] plus the residual. The norms in brackets
+    are the ones the family names (Llama: before each sublayer; OLMo2: on each sublayer's output)."""
 
     name: str
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")  # attention's projections, concatenated in this order
@@ -34,6 +36,16 @@ class LayerFamily:
     activation: str = "act_fn"  # the MLP's activation attribute (must be SiLU)
     qkv_bias: bool = False  # Q, K and V may carry biases (all or none)
     head_norms: bool = False  # an RMSNorm over each Q head and each K head before RoPE (Qwen3)
+    width_norms: bool = False  # an RMSNorm over all of Q and all of K before RoPE (OLMo2)
+    attention_in_norm: str | None = "input_layernorm"  # the layer's norms by attribute, where the family has them
+    attention_out_norm: str | None = None
+    mlp_in_norm: str | None = "post_attention_layernorm"
+    mlp_out_norm: str | None = None
+    other_norm: str | None = None  # an RMSNorm class of other roundings than Llama's, run as its own module
+    # Granite's multipliers: the embeddings times the model's `embedding_multiplier`, each sublayer's output times
+    # the layer's `residual_multiplier` before its residual add (folded into the o and down weights here), the
+    # logits divided by the config's `logits_scaling` (folded into the head's weights by the fused decoder)
+    multipliers: bool = False
 
 
 LLAMA = LayerFamily("llama")
@@ -43,6 +55,10 @@ FAMILIES: dict[str, LayerFamily] = {
     "qwen2": LayerFamily("qwen2", qkv_bias=True),
     "qwen3": LayerFamily("qwen3", head_norms=True),
     "phi3": LayerFamily("phi3", qkv=("qkv_proj",), gate_up=("gate_up_proj",), activation="activation_fn"),
+    "granite": LayerFamily("granite", multipliers=True),
+    "olmo2": LayerFamily("olmo2", width_norms=True, attention_in_norm=None,
+                         attention_out_norm="post_attention_layernorm", mlp_in_norm=None,
+                         mlp_out_norm="post_feedforward_layernorm", other_norm="Olmo2RMSNorm"),
 }
 
 
@@ -55,8 +71,9 @@ class LayerWeights:
     o: torch.Tensor
     gate_up: torch.Tensor  # [2 I, hidden]: gate rows, then up rows
     down: torch.Tensor
-    q_norm: torch.nn.Module | None  # per-head norms (head_norms)
+    q_norm: torch.nn.Module | None  # per-head (head_norms) or whole-width (width_norms) norms
     k_norm: torch.nn.Module | None
+    norms: tuple[torch.nn.Module | None, ...]  # attention in, attention out, MLP in, MLP out (None: none there)
 
 
 def family_for(config: object) -> LayerFamily | None:
@@ -82,6 +99,8 @@ class _Parts:
     down: torch.nn.Linear
     q_norm: torch.nn.Module | None
     k_norm: torch.nn.Module | None
+    residual_multiplier: float
+    norms: tuple[torch.nn.Module | None, ...]
 
 
 def _parts(layer: torch.nn.Module, family: LayerFamily) -> _Parts | None:
@@ -96,15 +115,33 @@ def _parts(layer: torch.nn.Module, family: LayerFamily) -> _Parts | None:
     with_bias = [p.bias is not None for p in qkv]
     if any(with_bias) and not (family.qkv_bias and all(with_bias)):
         return None
-    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-    if not all(is_plain_rms_norm(n) for n in norms):
+    places = (family.attention_in_norm, family.attention_out_norm, family.mlp_in_norm, family.mlp_out_norm)
+    norms = tuple(getattr(layer, name, None) if name else None for name in places)
+    if not all(_is_norm(n, family) for name, n in zip(places, norms, strict=True) if name):
         return None
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    if family.head_norms != (q_norm is not None) or family.head_norms != (k_norm is not None):
+    qk_norms = family.head_norms or family.width_norms
+    if qk_norms != (q_norm is not None) or qk_norms != (k_norm is not None):
         return None
-    if family.head_norms and not (is_plain_rms_norm(q_norm) and is_plain_rms_norm(k_norm)):
+    if qk_norms and not (_is_norm(q_norm, family) and _is_norm(k_norm, family)):
         return None
-    return _Parts(qkv, o[0], gate_up, down[0], q_norm, k_norm)
+    multiplier = getattr(layer, "residual_multiplier", None) if family.multipliers else 1.0
+    if not isinstance(multiplier, (int, float)):
+        return None
+    return _Parts(qkv, o[0], gate_up, down[0], q_norm, k_norm, float(multiplier), norms)
+
+
+def _is_norm(module: object, family: LayerFamily) -> bool:
+    """An RMSNorm the fused loop runs: one of Llama's roundings, or the family's own class (as its module)."""
+    if is_plain_rms_norm(module):
+        return True
+    return (family.other_norm is not None and type(module).__name__ == family.other_norm
+            and getattr(module, "weight", None) is not None)
+
+
+def final_norm_runs(model: torch.nn.Module, family: LayerFamily) -> bool:
+    """Whether the model's final norm is one the fused loop runs for `family`."""
+    return _is_norm(getattr(model.model, "norm", None), family)
 
 
 def describes(layer: torch.nn.Module, family: LayerFamily) -> bool:
@@ -119,16 +156,34 @@ def layer_weights(layer: torch.nn.Module, family: LayerFamily) -> LayerWeights:
     if parts is None:
         raise ValueError(f"{type(layer).__name__} is not a {family.name} layer as the fused loop runs it")
     biases = [p.bias for p in parts.qkv if p.bias is not None]
+    scale = parts.residual_multiplier
     with torch.no_grad():
         return LayerWeights(
             qkv=_concatenated([p.weight for p in parts.qkv]),
             qkv_bias=_concatenated(biases) if biases else None,
-            o=parts.o.weight,
+            o=parts.o.weight if scale == 1.0 else parts.o.weight * scale,
             gate_up=_concatenated([p.weight for p in parts.gate_up]),
-            down=parts.down.weight,
+            down=parts.down.weight if scale == 1.0 else parts.down.weight * scale,
             q_norm=parts.q_norm,
             k_norm=parts.k_norm,
+            norms=parts.norms,
         )
+
+
+def embedding_multiplier(model: torch.nn.Module, family: LayerFamily) -> float:
+    """What the family multiplies the embeddings by (Granite's `embedding_multiplier`; 1 elsewhere)."""
+    return float(getattr(model.model, "embedding_multiplier", 1.0)) if family.multipliers else 1.0
+
+
+def head_weight(model: torch.nn.Module, family: LayerFamily) -> torch.Tensor:
+    """The head's weight with the family's logit scaling folded in (Granite divides the logits by
+    `logits_scaling`): the model's own tensor where there is none."""
+    divisor = float(getattr(model.config, "logits_scaling", 1.0) or 1.0) if family.multipliers else 1.0
+    weight = model.lm_head.weight
+    if divisor == 1.0:
+        return weight
+    with torch.no_grad():
+        return weight / divisor
 
 
 def _concatenated(parts: list[torch.Tensor]) -> torch.Tensor:

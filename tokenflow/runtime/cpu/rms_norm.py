@@ -19,7 +19,7 @@ so the output is bit-identical in every dtype:
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 __all__ = ("fuse_rms_norms", "is_plain_rms_norm")
 
 # Classes whose forward is exactly `weight * (x * rsqrt(mean(x^2) + variance_epsilon))`.
-_PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Phi3RMSNorm"})
+_PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Phi3RMSNorm",
+                              "GraniteRMSNorm"})
 
 
 def _fused_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,7 @@ def _native_forward(module: torch.nn.Module, native: NativeKernels, hidden_state
     return native.rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
 
-def is_plain_rms_norm(module: object) -> bool:
+def is_plain_rms_norm(module: object) -> TypeGuard[torch.nn.Module]:
     """Whether `module` is one of the RMSNorms whose forward is exactly the one above."""
     return (type(module).__name__ in _PLAIN_RMS_NORMS and getattr(module, "weight", None) is not None
             and hasattr(module, "variance_epsilon"))
