@@ -313,6 +313,26 @@ def test_bf16_prefill_kernel_equals_the_matmul_path(
 
 
 @needs_compiler
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 4, 128), (2, 2, 80)])
+def test_bf16_prefill_rows_do_not_depend_on_the_chunking(kv_heads: int, group: int, head_dim: int) -> None:
+    """A prompt's rows come out the same whether it is prefilled in one chunk or the rest after a cached
+    prefix (every chunk runs the same arithmetic: AMX tiles where the CPU has them, else AVX512-BF16)."""
+    kernels = load_native_kernels(head_dim, group)
+    assert kernels is not None
+    if torch.bfloat16 not in kernels.prefill_dtypes:
+        pytest.skip("no bf16 prefill kernel on this CPU")
+    length = 300
+    batch = PagedBatch([length], kv_heads, group, head_dim, 16)
+    g = torch.Generator().manual_seed(head_dim)
+    q = torch.randn(length, kv_heads * group, head_dim, generator=g).to(BF16)
+    table = batch.tables[0]
+    whole = kernels.prefill(q, batch.k, batch.v, table, 16, 0, batch.scale)
+    for start in (1, 37, 299):
+        rest = kernels.prefill(q[start:].contiguous(), batch.k, batch.v, table, 16, start, batch.scale)
+        assert torch.equal(rest, whole[start:]), start
+
+
+@needs_compiler
 def test_kernels_refuse_a_geometry_they_were_not_built_for() -> None:
     batch = PagedBatch([5, 9], 2, 2, 32, 16)
     kernels = load_native_kernels(64, 2)

@@ -70,6 +70,24 @@ async def test_int8_blocks_never_share_keys_with_float_ones(tiny_model, tmp_path
         assert engine.ctx.model_key != plain  # a disk or Redis tier never serves one's KV to the other
 
 
+@pytest.mark.parametrize("arch", ["phi3", "granite", "olmo2"])
+async def test_int8_runs_every_fused_family(arch, tmp_path, monkeypatch) -> None:
+    """Other families' weight names (Phi-3's single QKV projection), folded multipliers (Granite) and norms on
+    the sublayers' outputs (OLMo2) quantise and serve close to their float selves."""
+    from tokenflow.testing import build_tiny_model
+
+    monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
+    folder = build_tiny_model(tmp_path / arch, arch=arch)
+    async with Engine(folder, dtype="float32") as engine:
+        exact = await _prompt_logprobs(engine)
+    async with Engine(folder, dtype="float32", quantization="int8") as engine:
+        fused = engine._loop.backend.runner.fused
+        assert all(isinstance(linear, Int8Linear) for linear in fused.linears().values())
+        approx = await _prompt_logprobs(engine)
+    drift = sum(abs(a - b) for a, b in zip(approx, exact)) / len(exact)
+    assert drift < 0.1, (arch, drift)
+
+
 async def test_models_the_int8_layers_cannot_run_are_refused(tmp_path, monkeypatch) -> None:
     from tokenflow.testing import build_tiny_model
 

@@ -134,7 +134,7 @@ def quantize_runner(runner: PagedModelRunner, tokenizer: Any, model_key: bytes, 
         log.info("int8 weights quantised and saved to %s", path)
     for name in names:
         fused.set_linear(name, Int8Linear(weights[name], kernels))
-    _release_float_weights(fused.model)
+    _release_float_weights(fused)
     return sum(w.nbytes for w in weights.values())
 
 
@@ -155,17 +155,21 @@ def quantize_weight_only(fused: FusedDecoder) -> int:
         quantize_(layer, Int8WeightOnlyConfig(set_inductor_config=False))
         fused.set_linear(name, layer)
         total += layer.weight.qdata.nbytes + layer.weight.scale.nbytes
-    _release_float_weights(fused.model)
+    _release_float_weights(fused)
     return total
 
 
-def _release_float_weights(model: torch.nn.Module) -> None:
-    """Drop the float weights the int8 layers replace (not a head tied to the embedding, still read)."""
+def _release_float_weights(fused: FusedDecoder) -> None:
+    """Drop the float weights the int8 layers replace (not a head tied to the embedding, still read), by the
+    names the model's family keeps them under."""
+    model, family = fused.model, fused.family
     embedding = model.get_input_embeddings().weight
     empty = torch.nn.Parameter(torch.empty(0, dtype=embedding.dtype), requires_grad=False)
     for layer in model.model.layers:
-        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                       layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+        attention, mlp = layer.self_attn, layer.mlp
+        modules = [getattr(attention, name) for name in (*family.qkv, "o_proj")]
+        modules += [getattr(mlp, name) for name in (*family.gate_up, "down_proj")]
+        for module in modules:
             module.weight = empty
     if model.lm_head.weight.data_ptr() != embedding.data_ptr():
         model.lm_head.weight = empty

@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "rows.h"
 

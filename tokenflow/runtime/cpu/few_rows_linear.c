@@ -24,11 +24,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "amx.h"
 #include "bf16.h"
 
 #define MR 6  /* rows per register tile */
@@ -175,39 +171,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const int mr, const 
  * AMX tiles (bf16): tmm0-3 the 4 accumulators of a 64-channel panel (rows x 16 fp32 each), tmm4 the rows'
  * next 32 k, tmm5-7 the panel's weights for them (16 k-pairs x 16 channels: one packed run of 1 KiB).
  * --------------------------------------------------------------------------------------------- */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define HAVE_TILES 1
-#define TILE_ROWS 16
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static int tiles_state = -1; /* -1: not asked yet */
-
-/* Linux gives a process the tiles' register state only once it asks (ARCH_REQ_XCOMP_PERM for
- * XFEATURE_XTILEDATA); torch's oneDNN asks too, the answer is the process's. */
-static int tiles_permitted(void)
-{
-    if (tiles_state < 0)
-        tiles_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return tiles_state;
-}
-
-static void configure_tiles(int rows)
-{
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        config.colsb[t] = 64;
-        config.rows[t] = t < 5 ? (uint8_t)rows : 16;
-    }
-    _tile_loadconfig(&config);
-}
-
+#if HAVE_TILES
 /* Rows r0 .. r0 + rows (<= 16) of channels n0 .. n0 + 64, k a multiple of 32; tiles configured for `rows`. */
 static void tile_pass(int rows, const uint16_t *x, int64_t k, const uint16_t *w, const float *bias, int64_t n,
                       int64_t n0, const void *residual, void *out, int out_bf16)
@@ -272,8 +236,6 @@ static void tiles_product(const uint16_t *x, int64_t m, int64_t k, const uint16_
             _tile_release();
     }
 }
-#else
-#define HAVE_TILES 0
 #endif
 
 int few_rows_tiles_available(void)

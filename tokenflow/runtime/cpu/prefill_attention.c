@@ -211,11 +211,111 @@ int paged_prefill_i8(const float *q, const int8_t *k_i8, const int8_t *v_i8, con
  * lane ([keys / 2][HEAD_DIM] pairs). Arithmetic as causal_softmax_bf16 and eager bf16 attention:
  * scores summed in fp32 and rounded to bf16, scaled with rounding, softmax in fp32, probabilities
  * rounded to bf16, values summed in fp32, the output rounded to bf16.
+ * On CPUs with AMX both products run on tiles of 16 query rows (prefill_tile_rows), the packing unchanged (it
+ * is the tiles' pair layout): the same arithmetic up to the order of fp32 sums, for every chunk, so a prompt's
+ * rows do not depend on how it was chunked or cached.
  *   q, out  [t, kv_heads * GROUP, HEAD_DIM] bf16; k_src, v_src, table as paged_prefill_f32.
  * prefill_bf16_available() says whether this build has it (else the call returns -1).
  * --------------------------------------------------------------------------------------------- */
 #if defined(__AVX512BF16__) && HEAD_DIM % 16 == 0
 int prefill_bf16_available(void) { return 1; }
+
+/* Row r's scores s[0, keys) (fp32 sums) into probabilities p[0, padded): the roundings of eager bf16
+ * attention for its `seen` visible keys, zeros past them. */
+static inline void bf16_probabilities(float *s, uint16_t *p, int64_t seen, int64_t padded, float scale)
+{
+#pragma omp simd
+    for (int64_t j = 0; j < seen; ++j)
+        s[j] = round_to_bf16(round_to_bf16(s[j]) * scale);
+    const float inv = 1.f / exp_minus_max(s, seen);
+#pragma omp simd
+    for (int64_t j = 0; j < seen; ++j)
+        p[j] = float_to_bf16(s[j] * inv);
+    for (int64_t j = seen; j < padded; ++j)
+        p[j] = 0;
+}
+
+#if HAVE_TILES && HEAD_DIM % 32 == 0
+/* Query rows r0 .. r0 + 16 of KV head h (rows past `rows` repeat the last, unwritten) on AMX tiles (configured
+ * 16 x 64 bytes each): scores Q K^T 32 keys at a time (tmm0-1; tmm4 the rows' next 32 head dimensions, tmm5-6
+ * 16 dimension pairs x 16 keys of the packed keys), then P V 64 dimensions at a time (tmm0-3; tmm4 32 keys of
+ * probabilities, tmm5-7 16 key pairs x 16 dimensions of the packed values). */
+static void prefill_tile_rows(const uint16_t *q, const uint32_t *kh, const uint32_t *vh, int64_t stride, int64_t rows,
+                              int64_t r0, int64_t heads, int64_t h, int64_t start, float scale, float *scores,
+                              uint16_t *probs, uint16_t *out)
+{
+    const int64_t real = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
+    uint16_t qb[TILE_ROWS][HEAD_DIM] __attribute__((aligned(64)));
+    int64_t visible[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; ++r) {
+        const int64_t row = r0 + (r < real ? r : real - 1);
+        const int64_t pos = row / GROUP, g = row % GROUP;
+        memcpy(qb[r], q + (pos * heads + h * GROUP + g) * HEAD_DIM, sizeof qb[r]);
+        visible[r] = start + pos + 1;
+    }
+    const int64_t keys = visible[TILE_ROWS - 1];
+    const int64_t padded = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+    for (int64_t j = 0; j < padded; j += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t d = 0; d < HEAD_DIM; d += 32) {
+            _tile_loadd(4, qb[0] + d, HEAD_DIM * 2);
+            _tile_loadd(5, kh + (d / 2) * stride + j, stride * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, kh + (d / 2) * stride + j + 16, stride * 4);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        _tile_stored(0, scores + j, stride * 4);
+        _tile_stored(1, scores + j + 16, stride * 4);
+    }
+    for (int r = 0; r < real; ++r)
+        bf16_probabilities(scores + r * stride, probs + r * stride, visible[r], padded, scale);
+    for (int64_t r = real; r < TILE_ROWS; ++r) /* the repeated rows: zeros, never written out */
+        memset(probs + r * stride, 0, sizeof(uint16_t) * (size_t)padded);
+    float acc[TILE_ROWS][HEAD_DIM] __attribute__((aligned(64)));
+    for (int x0 = 0; x0 < HEAD_VECS; x0 += 4) {
+        const int n = HEAD_VECS - x0 < 4 ? HEAD_VECS - x0 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t jp = 0; jp < padded / 2; jp += 16) {
+            const uint32_t *v = vh + jp * HEAD_DIM + 16 * x0;
+            _tile_loadd(4, probs + 2 * jp, stride * 2);
+            _tile_loadd(5, v, HEAD_DIM * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            if (n > 1) {
+                _tile_loadd(6, v + 16, HEAD_DIM * 4);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (n > 2) {
+                _tile_loadd(7, v + 32, HEAD_DIM * 4);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (n > 3) {
+                _tile_loadd(5, v + 48, HEAD_DIM * 4);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, acc[0] + 16 * x0, HEAD_DIM * 4);
+        if (n > 1)
+            _tile_stored(1, acc[0] + 16 * (x0 + 1), HEAD_DIM * 4);
+        if (n > 2)
+            _tile_stored(2, acc[0] + 16 * (x0 + 2), HEAD_DIM * 4);
+        if (n > 3)
+            _tile_stored(3, acc[0] + 16 * (x0 + 3), HEAD_DIM * 4);
+    }
+    for (int r = 0; r < real; ++r) {
+        const int64_t row = r0 + r, pos = row / GROUP, g = row % GROUP;
+        uint16_t *dst = out + (pos * heads + h * GROUP + g) * HEAD_DIM;
+        for (int x = 0; x < HEAD_VECS; ++x)
+            _mm256_storeu_si256((__m256i *)(dst + 16 * x), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc[r] + 16 * x)));
+    }
+}
+#define PREFILL_TILES 1
+#else
+#define PREFILL_TILES 0
+#endif
 
 int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t *v_src, const int64_t *table,
                        int64_t block_size, int64_t start, int64_t t, int64_t kv_heads, int64_t group_arg,
@@ -227,7 +327,12 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t 
     const int64_t length = start + t;
     const int64_t stride = (length + KEY_TILE - 1) / KEY_TILE * KEY_TILE; /* padded keys per head (even) */
     const int64_t rows = t * GROUP;
-    const int64_t tiles = (rows + PREFILL_ROWS - 1) / PREFILL_ROWS;
+    const int64_t row_blocks = (rows + PREFILL_ROWS - 1) / PREFILL_ROWS;
+#if PREFILL_TILES
+    const int tiles = tiles_permitted();
+#else
+    const int tiles = 0;
+#endif
     uint32_t *kp = aligned_alloc(64, sizeof(uint32_t) * (size_t)(kv_heads * pairs * stride));     /* [h][d/2][key] */
     uint32_t *vp = aligned_alloc(64, sizeof(uint32_t) * (size_t)(kv_heads * stride / 2 * HEAD_DIM)); /* [h][key/2][d] */
     int failed = kp == NULL || vp == NULL;
@@ -260,17 +365,33 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t 
                 vrow[d] = (v0 ? v0[d] : 0u) | (uint32_t)(v1 ? v1[d] : 0u) << 16;
         }
 
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(PREFILL_ROWS * stride));
-        uint16_t *probs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(PREFILL_ROWS * stride));
+        const int64_t buffer_rows = PREFILL_TILES ? 16 : PREFILL_ROWS;
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(buffer_rows * stride));
+        uint16_t *probs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(buffer_rows * stride));
         if (scores == NULL || probs == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
+#if PREFILL_TILES
+        if (tiles) {
+            configure_tiles(TILE_ROWS);
+            const int64_t row_tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
 #pragma omp for schedule(dynamic, 2)
-        for (int64_t item = 0; item < kv_heads * tiles; ++item) {
+            for (int64_t item = 0; item < kv_heads * row_tiles; ++item) {
+                if (scores == NULL || probs == NULL)
+                    continue;
+                const int64_t h = item / row_tiles;
+                prefill_tile_rows(q, kp + h * pairs * stride, vp + h * stride / 2 * HEAD_DIM, stride, rows,
+                                  (item % row_tiles) * TILE_ROWS, heads, h, start, scale, scores, probs, out);
+            }
+            _tile_release();
+        }
+#endif
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t item = 0; item < (tiles ? 0 : kv_heads * row_blocks); ++item) {
             if (scores == NULL || probs == NULL)
                 continue;
-            const int64_t h = item / tiles, r0 = (item % tiles) * PREFILL_ROWS;
+            const int64_t h = item / row_blocks, r0 = (item % row_blocks) * PREFILL_ROWS;
             const int64_t real = rows - r0 < PREFILL_ROWS ? rows - r0 : PREFILL_ROWS;
             uint32_t qb[PREFILL_ROWS][HEAD_DIM / 2];
             int64_t visible[PREFILL_ROWS];
@@ -302,20 +423,8 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t 
                 }
             }
             const int64_t even = (keys + 1) / 2 * 2;
-            for (int r = 0; r < PREFILL_ROWS; ++r) {
-                float *s = scores + r * stride;
-                uint16_t *p = probs + r * stride;
-                const int64_t seen = visible[r];
-#pragma omp simd
-                for (int64_t j = 0; j < seen; ++j)
-                    s[j] = round_to_bf16(round_to_bf16(s[j]) * scale);
-                const float inv = 1.f / exp_minus_max(s, seen);
-#pragma omp simd
-                for (int64_t j = 0; j < seen; ++j)
-                    p[j] = float_to_bf16(s[j] * inv);
-                for (int64_t j = seen; j < even; ++j)
-                    p[j] = 0;
-            }
+            for (int r = 0; r < PREFILL_ROWS; ++r)
+                bf16_probabilities(scores + r * stride, probs + r * stride, visible[r], even, scale);
 
             const uint32_t *vh = vp + h * stride / 2 * HEAD_DIM;
             for (int rb = 0; rb < real; rb += VALUE_ROWS) {
