@@ -54,8 +54,6 @@ from tokenflow.runtime.sampler import GreedyTokens
 __all__ = ("FusedDecoder", "fused_decoder_for")
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
-
-
 Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
