@@ -94,9 +94,10 @@ static inline __attribute__((always_inline)) void store_vector(__m512 v, __mmask
     _mm512_mask_storeu_ps((float *)out + at, mask, v);
 }
 
-static inline __attribute__((always_inline)) void store_tile(const int mr, __m512 acc[MR][NV], const float *bias,
-                                                             int64_t n, int64_t n0, const void *residual, void *out,
-                                                             int bf16)
+/* Rows 0 .. rows of the output for channels n0 .. n0 + 64 from fp32 sums `acc` (rows `stride` floats apart). */
+static inline __attribute__((always_inline)) void store_rows(const int rows, const float *acc, int64_t stride,
+                                                             const float *bias, int64_t n, int64_t n0,
+                                                             const void *residual, void *out, int bf16)
 {
     for (int h = 0; h < NV; ++h) {
         const int64_t c = n0 + 16 * h;
@@ -104,9 +105,22 @@ static inline __attribute__((always_inline)) void store_tile(const int mr, __m51
             break;
         const __mmask16 mask = n - c >= 16 ? 0xFFFF : (__mmask16)((1u << (n - c)) - 1);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
-        for (int r = 0; r < mr; ++r)
-            store_vector(_mm512_add_ps(acc[r][h], b), mask, residual, out, r * n + c, bf16);
+        for (int r = 0; r < rows; ++r)
+            store_vector(_mm512_add_ps(_mm512_loadu_ps(acc + r * stride + 16 * h), b), mask, residual, out,
+                         r * n + c, bf16);
     }
+}
+
+/* The register tile's rows, through store_rows. */
+static inline __attribute__((always_inline)) void store_tile(const int mr, __m512 acc[MR][NV], const float *bias,
+                                                             int64_t n, int64_t n0, const void *residual, void *out,
+                                                             int bf16)
+{
+    float sums[MR][NR];
+    for (int r = 0; r < mr; ++r)
+        for (int h = 0; h < NV; ++h)
+            _mm512_storeu_ps(sums[r] + 16 * h, acc[r][h]);
+    store_rows(mr, sums[0], NR, bias, n, n0, residual, out, bf16);
 }
 
 static inline __attribute__((always_inline)) void tile_f32(const int mr, const float *x, int64_t k, const float *w,
@@ -198,16 +212,7 @@ static void tile_pass(int rows, const uint16_t *x, int64_t k, const uint16_t *w,
     _tile_stored(1, acc[0] + 16, NR * 4);
     _tile_stored(2, acc[0] + 32, NR * 4);
     _tile_stored(3, acc[0] + 48, NR * 4);
-    for (int h = 0; h < NV; ++h) {
-        const int64_t c = n0 + 16 * h;
-        if (c >= n)
-            break;
-        const __mmask16 mask = n - c >= 16 ? 0xFFFF : (__mmask16)((1u << (n - c)) - 1);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
-        for (int r = 0; r < rows; ++r)
-            store_vector(_mm512_add_ps(_mm512_loadu_ps(acc[r] + 16 * h), b), mask, residual, out, r * n + c,
-                         out_bf16);
-    }
+    store_rows(rows, acc[0], NR, bias, n, n0, residual, out, out_bf16);
 }
 
 /* The product of `product` on the tiles: OpenMP over (panel, 16-row block), each thread configuring its
