@@ -7,6 +7,10 @@ accumulators in registers ran SmolLM2's linears 1.7× faster at one row and ~1.3
 (README, "Where the CPU speed comes from"). Steps with more rows (prefill chunks) are compute-bound,
 where oneDNN's cache-blocked product stays faster, so they keep it.
 
+On CPUs with AMX, decode-only bf16 steps of more than a few rows run the same packed panels on AMX tiles
+(`few_rows_linear_tiles`), where the register tile's dot products fall behind the weight stream; steps with a
+prefill chunk keep the register tile, so a prompt's roundings do not depend on the prefix cache.
+
 The cost is a second packed copy of the linear weights, beside oneDNN's.
 """
 
