@@ -66,9 +66,8 @@ class _Layer:
     gate_up: Linear  # [T, hidden] -> [T, 2 I]
     down: Linear
     scale: float
-    q_norm: torch.nn.Module | None = None  # Qwen3: RMSNorm over each Q and each K head, before RoPE
+    q_norm: torch.nn.Module | None = None  # RMSNorm over each Q and each K head (Qwen3), or all of Q and K (OLMo2)
     k_norm: torch.nn.Module | None = None
-    width_norms: bool = False  # OLMo2: q_norm and k_norm over all of Q and all of K instead
     attention_out_norm: Norm | None = None  # OLMo2: on the output projection, before the residual add
     mlp_out_norm: Norm | None = None  # OLMo2: on the down projection, before the residual add
     # oneDNN's post-op forms (CPU, packed weights): the output projection with the residual add, and the MLP
@@ -152,11 +151,12 @@ def _width_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Mo
     qkv[:, q_end:k_end] = k_norm(qkv[:, q_end:k_end])
 
 
-def _native_layers(layers: list[_Layer], native: NativeKernels | None, inter: int) -> NativeDecodeLayers | None:
+def _native_layers(layers: list[_Layer], family: LayerFamily, native: NativeKernels | None,
+                   inter: int) -> NativeDecodeLayers | None:
     """The C loop over `layers` (`tokenflow.runtime.cpu.decode_layers`) where every one is a norm-before layer
     (Llama's placement, per-head Q/K norms at most), runs its four linears on the few-rows kernel, and its norms
     share one epsilon; else None."""
-    if native is None or not layers:
+    if native is None or not layers or family.width_norms:
         return None
     weights = []
     epsilons = set()
@@ -164,7 +164,7 @@ def _native_layers(layers: list[_Layer], native: NativeKernels | None, inter: in
         linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
         if not all(isinstance(f, FewRowsLinear) for f in linears):
             return None
-        if layer.width_norms or layer.attention_out_norm is not None or layer.mlp_out_norm is not None:
+        if layer.attention_out_norm is not None or layer.mlp_out_norm is not None:
             return None
         head_norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else ()
         norms = [n for n in (layer.input_norm, layer.post_norm, *head_norms) if is_plain_rms_norm(n)]
@@ -235,7 +235,7 @@ class FusedDecoder:
                                                         (w.down, packed_mlp.down)))
             self.layers.append(_Layer(
                 input_norm=attention_in, qkv=qkv, o=o, post_norm=mlp_in, gate_up=gate_up, down=down,
-                scale=float(layer.self_attn.scaling), q_norm=w.q_norm, k_norm=w.k_norm, width_norms=family.width_norms,
+                scale=float(layer.self_attn.scaling), q_norm=w.q_norm, k_norm=w.k_norm,
                 attention_out_norm=attention_out, mlp_out_norm=mlp_out,
                 o_residual=fused_ops and fused_ops[0], mlp=fused_ops and fused_ops[1],
             ))
@@ -249,7 +249,7 @@ class FusedDecoder:
         self._tiles_on = False
         self._tiles_possible = any(f.kernels.has_tiles for f in self._few_rows)
         # decode steps that run entirely through the few-rows and native kernels: all layers in one C call
-        self.native_layers = _native_layers(self.layers, native, self.intermediate)
+        self.native_layers = _native_layers(self.layers, family, native, self.intermediate)
 
     def linear_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of every linear the loop runs, by name (`layers.<i>.qkv` / `.o` / `.gate_up` /
@@ -339,7 +339,7 @@ class FusedDecoder:
         for index, layer in enumerate(self.layers):
             qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
             if layer.q_norm is not None and layer.k_norm is not None:
-                if layer.width_norms:
+                if self.family.width_norms:
                     _width_norms(qkv, layer.q_norm, layer.k_norm, q_end, k_end)
                 else:
                     _head_norms(qkv, layer.q_norm, layer.k_norm, heads, kv_heads, native)
