@@ -152,6 +152,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     kv_compression_window: Annotated[int, msgspec.Meta(ge=2)] = 32  # last prompt tokens: they score, and are kept
     kv_cache_dtype: Literal["auto", "int8"] = "auto"  # auto: the model's dtype; int8: per token and KV head scales
     quantization: Literal["int8"] | None = None  # paged, Llama-family; CPU: int8 weights+activations, CUDA: torchao
+    # a .gguf model: "quantized" runs its tensors as the file holds them (paged on CPU; Llama, Qwen2, Qwen3 files),
+    # "dequantized" converts them once to fp32 (every other case takes that too, with a log line)
+    gguf_weights: Literal["quantized", "dequantized"] = "quantized"
     cuda_graphs: bool = True  # paged on CUDA, Llama-family models: decode steps replayed from CUDA graphs
     # paged, greedy requests: n-gram (prompt lookup) draft tokens verified per step (0: off)
     speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0

@@ -133,7 +133,7 @@ class Engine:
             self.model_name = resolved.name
             model_thread = self._model_thread = ModelThread()
             self._model_thread_task = spawn(model_thread.serve, "tokenflow-model-thread")
-            await self._start_on(model_thread, resolved.path)
+            await self._start_on(model_thread, resolved.path, resolved.gguf_file)
             if config.warmup:
                 await self._warm_up()
             if config.freeze_gc:
@@ -145,8 +145,8 @@ class Engine:
             self._state = "new"
             raise
 
-    async def _start_on(self, model_thread: ModelThread, path: Any) -> None:
-        loaded = await model_thread.run(load_model, path, self.config)
+    async def _start_on(self, model_thread: ModelThread, path: Any, gguf_file: Any = None) -> None:
+        loaded = await model_thread.run(load_model, path, self.config, gguf_file)
         config = self.config = self.config.for_device(loaded.device.type)
         policy = config.attention_policy.fingerprint  # the KV each block holds depends on these too
         if config.quantization:

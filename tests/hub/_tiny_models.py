@@ -9,18 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+from tokenflow.testing import TINY_CHAT_TEMPLATE as CHAT_TEMPLATE
+from tokenflow.testing import add_byte_tokenizer, gguf_byte_vocabulary
+
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
-
-
-def _byte_vocab() -> list[str]:
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    return [*SPECIALS, *sorted(bytes_to_unicode().values()), "Ġt"]
 
 
 def make_hf_folder(folder: Path) -> Path:
@@ -29,7 +21,7 @@ def make_hf_folder(folder: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(_byte_vocab())}
+    vocab = {token: i for i, token in enumerate(gguf_byte_vocabulary())}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "t")]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -59,7 +51,6 @@ def make_gguf(path: Path, *, chat_template: str | None = CHAT_TEMPLATE, seed: in
     """A tiny llama GGUF (f32 tensors, gpt2-style byte BPE vocabulary) that transformers can convert."""
     import gguf
 
-    tokens = _byte_vocab()
     rng = np.random.default_rng(seed)
 
     def rand(*shape: int) -> np.ndarray:
@@ -76,19 +67,11 @@ def make_gguf(path: Path, *, chat_template: str | None = CHAT_TEMPLATE, seed: in
     writer.add_rope_dimension_count(HIDDEN // HEADS)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
-    writer.add_token_merges(["Ġ t"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
+    vocab_size = add_byte_tokenizer(writer, chat_template)
+    writer.add_vocab_size(vocab_size)
 
     kv_dim = HIDDEN // HEADS * KV_HEADS
-    writer.add_tensor("token_embd.weight", rand(len(tokens), HIDDEN))
+    writer.add_tensor("token_embd.weight", rand(vocab_size, HIDDEN))
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     for i in range(LAYERS):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))

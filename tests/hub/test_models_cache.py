@@ -1,4 +1,5 @@
-"""The converted-model cache: GGUF conversion, the completion marker, locking, and leftovers."""
+"""The converted-model cache: a GGUF's metadata folder, its fp32 conversion (`dequantized_gguf`), the completion
+marker, locking, and leftovers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tokenflow.errors import ModelLoadError
 from tokenflow.hub import cache, convert, resolve_model
 from tokenflow.hub import resolve as resolve_mod
 from tokenflow.hub.convert import sha256_file
+from tokenflow.hub.resolve import dequantized_gguf
 
 
 @pytest.fixture
@@ -33,14 +35,13 @@ def conversions(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 def test_gguf_is_converted_into_a_loadable_folder(tiny_gguf: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    folder = dequantized_gguf(tiny_gguf, home=tmp_path, progress=False)
     digest = sha256_file(tiny_gguf)
-    assert resolved.name == "tiny"
-    assert resolved.path == tmp_path / "models" / f"gguf-{digest[:16]}"
-    marker = json.loads((resolved.path / cache.MARKER).read_text())
+    assert folder == tmp_path / "models" / f"gguf-{digest[:16]}"
+    marker = json.loads((folder / cache.MARKER).read_text())
     assert marker["source_sha256"] == digest
-    model = AutoModelForCausalLM.from_pretrained(resolved.path)
-    tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == len(tokenizer)
     assert tokenizer.chat_template == tiny.CHAT_TEMPLATE
     assert tokenizer.eos_token == "<|im_end|>"
@@ -48,9 +49,9 @@ def test_gguf_is_converted_into_a_loadable_folder(tiny_gguf: Path, tmp_path: Pat
 
 
 def test_second_resolve_does_not_convert(tiny_gguf: Path, tmp_path: Path, conversions: list[Path]) -> None:
-    first = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    first = dequantized_gguf(tiny_gguf, home=tmp_path, progress=False)
     started = time.perf_counter()
-    second = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    second = dequantized_gguf(tiny_gguf, home=tmp_path, progress=False)
     assert time.perf_counter() - started < 0.5
     assert first == second
     assert conversions == [tiny_gguf]
@@ -62,8 +63,7 @@ def test_incomplete_folder_without_marker_is_rebuilt(
     dest = tmp_path / "models" / f"gguf-{sha256_file(tiny_gguf)[:16]}"
     dest.mkdir(parents=True)
     (dest / "config.json").write_text("{half written")
-    resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
-    assert resolved.path == dest and conversions == [tiny_gguf]
+    assert dequantized_gguf(tiny_gguf, home=tmp_path, progress=False) == dest and conversions == [tiny_gguf]
     assert json.loads((dest / "config.json").read_text())["num_hidden_layers"] == 2
     assert cache.cached_folder(dest, sha256_file(tiny_gguf))
 
@@ -71,27 +71,26 @@ def test_incomplete_folder_without_marker_is_rebuilt(
 def test_marker_for_another_source_is_rebuilt(
     tiny_gguf: Path, tmp_path: Path, conversions: list[Path]
 ) -> None:
-    resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
-    marker = resolved.path / cache.MARKER
+    marker = dequantized_gguf(tiny_gguf, home=tmp_path, progress=False) / cache.MARKER
     marker.write_text(json.dumps({"format": 1, "source_sha256": "0" * 64}))
-    resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    dequantized_gguf(tiny_gguf, home=tmp_path, progress=False)
     assert len(conversions) == 2
     assert json.loads(marker.read_text())["source_sha256"] == sha256_file(tiny_gguf)
 
 
 def test_cache_is_keyed_by_content(tiny_gguf: Path, tmp_path: Path) -> None:
     other = tiny.make_gguf(tmp_path / "tiny.gguf", seed=1)  # same name, different weights
-    a = resolve_model(tiny_gguf, home=tmp_path, progress=False)
-    b = resolve_model(other, home=tmp_path, progress=False)
-    assert a.path != b.path
-    assert (a.path / "model.safetensors").read_bytes() != (b.path / "model.safetensors").read_bytes()
+    a = dequantized_gguf(tiny_gguf, home=tmp_path, progress=False)
+    b = dequantized_gguf(other, home=tmp_path, progress=False)
+    assert a != b
+    assert (a / "model.safetensors").read_bytes() != (b / "model.safetensors").read_bytes()
 
 
 def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF but not really")
     with pytest.raises(ModelLoadError, match="could not load the GGUF"):
-        resolve_model(bad, home=tmp_path, progress=False)
+        dequantized_gguf(bad, home=tmp_path, progress=False)
     assert [p.name for p in (tmp_path / "models").iterdir()] == [f".gguf-{sha256_file(bad)[:16]}.lock"]
 
 
@@ -100,7 +99,7 @@ def test_leftovers_of_a_crashed_build_are_removed(tiny_gguf: Path, tmp_path: Pat
     stale = tmp_path / "models" / f".{name}.tmp-crashed"
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"junk")
-    resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    dequantized_gguf(tiny_gguf, home=tmp_path, progress=False)
     assert not stale.exists()
 
 
@@ -152,8 +151,7 @@ def test_chat_template_carried_over_when_tokenizer_drops_it(
         return tokenizer
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", forgetful)
-    resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
-    assert real(resolved.path).chat_template == tiny.CHAT_TEMPLATE
+    assert real(dequantized_gguf(tiny_gguf, home=tmp_path, progress=False)).chat_template == tiny.CHAT_TEMPLATE
 
 
 def test_chat_template_file_written_when_save_loses_it(hf_folder: Path, tmp_path: Path) -> None:
@@ -171,18 +169,17 @@ def test_chat_template_file_written_when_save_loses_it(hf_folder: Path, tmp_path
 def test_gguf_without_template_converts(tmp_path: Path) -> None:
     plain = tiny.make_gguf(tmp_path / "plain.gguf", chat_template=None)
     assert convert.gguf_chat_template(plain) is None
-    resolved = resolve_model(plain, home=tmp_path, progress=False)
-    assert (resolved.path / "config.json").is_file()
+    assert (dequantized_gguf(plain, home=tmp_path, progress=False) / "config.json").is_file()
 
 
 def test_progress_bar_names_stages(
     tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("tokenflow.progress.on_terminal", lambda: True)
-    resolve_model(tiny_gguf, home=tmp_path / "a", progress=True)
+    dequantized_gguf(tiny_gguf, home=tmp_path / "a", progress=True)
     err = capsys.readouterr().err
     assert "convert" in err and "save" in err and "done" in err and "stages |" in err
-    resolve_model(tiny_gguf, home=tmp_path / "b", progress=False)
+    dequantized_gguf(tiny_gguf, home=tmp_path / "b", progress=False)
     assert capsys.readouterr().err == ""
     from transformers.utils import logging as hf_logging
 
@@ -192,13 +189,14 @@ def test_progress_bar_names_stages(
 def test_unwritable_home(tiny_gguf: Path, tmp_path: Path) -> None:
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(ModelLoadError, match="TOKENFLOW_HOME"):
-        resolve_model(tiny_gguf, home=tmp_path / "file" / "home", progress=False)
+        dequantized_gguf(tiny_gguf, home=tmp_path / "file" / "home", progress=False)
 
 
 def test_converted_files_are_world_readable(tiny_gguf: Path, tmp_path: Path) -> None:
-    resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
-    assert resolved.path.stat().st_mode & 0o755 == 0o755
-    assert all(p.stat().st_mode & 0o644 == 0o644 for p in resolved.path.iterdir())
+    for folder in (dequantized_gguf(tiny_gguf, home=tmp_path, progress=False),
+                   resolve_model(tiny_gguf, home=tmp_path, progress=False).path):
+        assert folder.stat().st_mode & 0o755 == 0o755
+        assert all(p.stat().st_mode & 0o644 == 0o644 for p in folder.iterdir())
 
 
 def test_list_and_rm_converted_models(tmp_path, monkeypatch, capsys, tiny_gguf) -> None:
@@ -221,7 +219,7 @@ def test_progress_off_a_terminal_is_log_lines(
 ) -> None:
     """In a service's log or CI a redrawn bar is noise: each stage is one log line instead."""
     caplog.set_level("INFO", logger="tokenflow")
-    resolve_model(tiny_gguf, home=tmp_path, progress=True)
+    dequantized_gguf(tiny_gguf, home=tmp_path, progress=True)
     assert "stages |" not in capsys.readouterr().err
     lines = [r.getMessage() for r in caplog.records if r.name == "tokenflow.progress"]
     assert lines[0].endswith("convert (1/2)") and lines[1].endswith("save (2/2)")
@@ -232,7 +230,23 @@ def test_a_quantised_gguf_says_how_big_it_becomes(
     tiny_gguf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO", logger="tokenflow")
-    resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    dequantized_gguf(tiny_gguf, home=tmp_path, progress=False)
     notice = next(r for r in caplog.records if "dequantis" in r.getMessage())
     text = notice.getMessage()
     assert tiny_gguf.name in text and "fp32" in text and "MiB" in text
+
+
+def test_a_gguf_resolves_to_its_metadata_and_file(tiny_gguf: Path, tmp_path: Path, conversions: list[Path]) -> None:
+    """resolve_model writes the file's config and tokenizer (no weights: they stay in the file) and points at it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    assert resolved.name == "tiny" and resolved.gguf_file == tiny_gguf.absolute()
+    assert resolved.path == tmp_path / "models" / f"gguf-{sha256_file(tiny_gguf)[:16]}-metadata"
+    assert not list(resolved.path.glob("*.safetensors")) and conversions == []
+    assert AutoConfig.from_pretrained(resolved.path).num_hidden_layers == 2
+    tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+    assert tokenizer.chat_template == tiny.CHAT_TEMPLATE and tokenizer.eos_token == "<|im_end|>"
+    started = time.perf_counter()
+    assert resolve_model(tiny_gguf, home=tmp_path, progress=False) == resolved
+    assert time.perf_counter() - started < 0.5

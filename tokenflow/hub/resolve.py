@@ -1,7 +1,8 @@
 """Turn whatever the user passed as a model into a local folder transformers can load.
 
 Accepted, in this order: None or an alias (the embedded default), a local HF
-model folder, a local `.gguf` file (converted once and cached by content hash),
+model folder, a local `.gguf` file (its config and tokenizer written out once, cached by content hash; the
+weights stay in the file),
 or a hub id `org/name` (downloaded through huggingface_hub where the hub is
 reachable). Everything else fails with a ModelLoadError that says what was
 expected, because a bare "not found" from deep inside transformers is hard to act on.
@@ -17,11 +18,11 @@ from pathlib import Path
 
 from tokenflow.errors import ModelLoadError
 from tokenflow.hub.cache import ensure_folder, models_root
-from tokenflow.hub.convert import convert_gguf, sha256_file
-from tokenflow.hub.embedded import EMBEDDED, ensure_embedded
+from tokenflow.hub.convert import convert_gguf, sha256_file, write_gguf_metadata
+from tokenflow.hub.embedded import EMBEDDED, EMBEDDED_GGUF, ensure_embedded, ensure_embedded_gguf
 from tokenflow.progress import StageBar
 
-__all__ = ("DEFAULT_MODEL", "ResolvedModel", "check_model", "resolve_model")
+__all__ = ("DEFAULT_MODEL", "ResolvedModel", "check_model", "dequantized_gguf", "resolve_model")
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -34,10 +35,12 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """A model ready to load: a display `name` and a local `path` to an HF model folder."""
+    """A model ready to load: a display `name` and a local `path` to an HF model folder; for a .gguf file, the
+    folder holds its config and tokenizer and `gguf_file` the weights."""
 
     name: str
     path: Path
+    gguf_file: Path | None = None
 
 
 def resolve_model(
@@ -55,6 +58,9 @@ def resolve_model(
     text = os.fspath(spec)
     if isinstance(spec, str) and text in EMBEDDED:
         return ResolvedModel(text, ensure_embedded(EMBEDDED[text], root, progress=progress))
+    if isinstance(spec, str) and text in EMBEDDED_GGUF:
+        gguf = ensure_embedded_gguf(EMBEDDED_GGUF[text], root, progress=progress)
+        return ResolvedModel(text, _ensure_gguf(gguf, root, progress=progress), gguf)
 
     path = Path(text).expanduser()
     if path.is_dir():
@@ -71,7 +77,7 @@ def resolve_model(
                 f"model file {str(path)!r} is not a .gguf file; pass a .gguf file or the folder of a "
                 f"Hugging Face model, or an alias ({_alias_list()})."
             )
-        return ResolvedModel(path.stem, _ensure_gguf(path, root, progress=progress))
+        return ResolvedModel(path.stem, _ensure_gguf(path, root, progress=progress), path.absolute())
     if isinstance(spec, str) and _looks_like_hub_id(text):
         return ResolvedModel(text, _hub_download(text))
     if not isinstance(spec, str) or _looks_like_path(text):
@@ -86,7 +92,7 @@ def check_model(spec: str | os.PathLike[str] | None) -> None:
     """Raise the `ModelLoadError` `resolve_model(spec)` would raise for a spec that names nothing (an unknown
     alias, a missing path, a file that is not a .gguf), without fetching or converting anything: the CLI
     checks its `--model` before the seconds of imports and loading."""
-    if spec is None or (isinstance(spec, str) and spec in EMBEDDED):
+    if spec is None or (isinstance(spec, str) and (spec in EMBEDDED or spec in EMBEDDED_GGUF)):
         return
     text = os.fspath(spec)
     path = Path(text).expanduser()
@@ -104,7 +110,7 @@ def check_model(spec: str | os.PathLike[str] | None) -> None:
 
 
 def _unknown_model(text: str) -> ModelLoadError:
-    close = difflib.get_close_matches(text.lower(), list(EMBEDDED), n=1, cutoff=0.5)
+    close = difflib.get_close_matches(text.lower(), [*EMBEDDED, *EMBEDDED_GGUF], n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return ModelLoadError(
         f"unknown model {text!r}: it is not an alias ({_alias_list()}), an existing model folder "
@@ -113,9 +119,23 @@ def _unknown_model(text: str) -> ModelLoadError:
 
 
 def _ensure_gguf(path: Path, root: Path, *, progress: bool) -> Path:
-    """Converted folder for a local GGUF, keyed by content hash so an edited file gets rebuilt."""
+    """The config and tokenizer folder of a local GGUF, keyed by content hash so an edited file gets rebuilt."""
     digest = sha256_file(path)
-    dest = root / f"gguf-{digest[:16]}"
+    dest = root / f"gguf-{digest[:16]}-metadata"
+
+    def build(out_dir: Path) -> None:
+        with StageBar(f"tokenflow: reading {path.name}", ("metadata",), enabled=progress) as bar, \
+                bar.stage("metadata"):
+            write_gguf_metadata(path, out_dir)
+
+    return ensure_folder(dest, digest, build, meta={"source": str(path.absolute())})
+
+
+def dequantized_gguf(path: Path, *, home: Path | None = None, progress: bool = True) -> Path:
+    """An HF folder of the GGUF's weights dequantised to fp32 (made once, cached by content hash): for what runs
+    only dense weights (CUDA, the `hf` backend, `quantization="int8"`, `gguf_weights="dequantized"`)."""
+    digest = sha256_file(path)
+    dest = models_root(home) / f"gguf-{digest[:16]}"
 
     def build(out_dir: Path) -> None:
         with StageBar(f"tokenflow: converting {path.name}", ("convert", "save"), enabled=progress) as bar:
@@ -156,4 +176,4 @@ def _hub_download(repo_id: str) -> Path:
 
 
 def _alias_list() -> str:
-    return ", ".join(sorted(EMBEDDED))
+    return ", ".join(sorted([*EMBEDDED, *EMBEDDED_GGUF]))

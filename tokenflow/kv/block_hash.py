@@ -52,10 +52,19 @@ def model_key(model: Any, block_size: int, attention: str = "dense") -> bytes:
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     h.update(f"block_size={block_size};attention={attention}".encode())
     with torch.no_grad():
+        # GGUF modules' weights are placeholders of their shape: their blocks are hashed below
+        placeholders = {id(m.weight) for m in model.modules() if getattr(m, "quantized", None) is not None}
         for name, param in model.named_parameters():
+            if id(param) in placeholders:
+                continue
             data = param.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             crc = zlib.crc32(data.numpy())
             h.update(f"{name};{param.dtype};{tuple(param.shape)};{data.numel()};{crc:08x}\n".encode())
+        for name, module in model.named_modules():
+            blocks = getattr(module, "quantized", None)  # GGUF's ggml blocks (runtime/cpu/gguf_linear.py)
+            if blocks is not None:
+                crc = zlib.crc32(blocks.data.contiguous().numpy())
+                h.update(f"{name};ggml{blocks.format};{blocks.n}x{blocks.k};{crc:08x}\n".encode())
     return h.digest()
 
 

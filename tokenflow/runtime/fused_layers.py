@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata
 from tokenflow.runtime.cpu.decode_layers import DecodeLayerWeights, NativeDecodeLayers
 from tokenflow.runtime.cpu.few_rows_linear import FEW_ROWS, FewRowsLinear, few_rows_linear
+from tokenflow.runtime.cpu.gguf_linear import QuantizedLinear, StackedLinear
 from tokenflow.runtime.cpu.greedy_head import greedy_head_for
 from tokenflow.runtime.cpu.native_kernels import NativeKernels
 from tokenflow.runtime.cpu.packed_linear import (
@@ -41,13 +42,16 @@ from tokenflow.runtime.cpu.packed_linear import (
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
 from tokenflow.runtime.layer_families import (
     LayerFamily,
+    LayerLinears,
     LayerWeights,
     describes,
     embedding_multiplier,
     family_for,
     final_norm_runs,
     head_weight,
+    layer_linears,
     layer_weights,
+    logits_divisor,
 )
 from tokenflow.runtime.sampler import GreedyTokens
 
@@ -151,6 +155,14 @@ def _width_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Mo
     qkv[:, q_end:k_end] = k_norm(qkv[:, q_end:k_end])
 
 
+def _stacked_linears(parts: LayerLinears) -> tuple[Linear, Linear, Linear, Linear]:
+    """A GGUF layer's QKV, o, gate+up and down linears over its modules."""
+    scale = parts.residual_multiplier
+    o = parts.o if scale == 1.0 else StackedLinear([parts.o], scale)
+    down = parts.down if scale == 1.0 else StackedLinear([parts.down], scale)
+    return StackedLinear(parts.qkv), o, StackedLinear(parts.gate_up), down
+
+
 def _native_layers(layers: list[_Layer], family: LayerFamily, native: NativeKernels | None,
                    inter: int) -> NativeDecodeLayers | None:
     """The C loop over `layers` (`tokenflow.runtime.cpu.decode_layers`) where every one is a norm-before layer
@@ -205,6 +217,10 @@ class FusedDecoder:
                  post_ops: bool = False, native: NativeKernels | None = None) -> None:
         """`model`'s layers are ones `family` describes (`layer_families.describes`)."""
         base = model.model
+        # a GGUF model's linears are ggml blocks: they run as they are (no packed copies, no few-rows panels)
+        quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+        if quantized:
+            pack = few_rows = post_ops = False
         self.native = native  # bf16, fp32: RoPE on Q and K and the SiLU product as one C call each
         self.model = model
         self.family = family
@@ -213,7 +229,11 @@ class FusedDecoder:
         self.rotary = base.rotary_emb
         self.final_norm = base.norm
         self.head_weight = head_weight(model, family)
-        self.lm_head = _linear(self.head_weight, None, pack, few_rows)
+        if quantized:
+            divisor = logits_divisor(model, family)
+            self.lm_head = model.lm_head if divisor == 1.0 else StackedLinear([model.lm_head], 1.0 / divisor)
+        else:
+            self.lm_head = _linear(self.head_weight, None, pack, few_rows)
         # greedy steps' tokens without the fp32 head's logits (fp32 few-rows head, AVX512-BF16)
         self.greedy_head = greedy_head_for(self.lm_head, self.head_weight, int(model.config.vocab_size))
         self.num_heads = model.config.num_attention_heads
@@ -221,14 +241,20 @@ class FusedDecoder:
         self.layers: list[_Layer] = []
         for layer in base.layers:
             # one layer's concatenations at a time: the linears pack copies of their own
-            w = layer_weights(layer, family)
-            qkv = _linear(w.qkv, w.qkv_bias, pack, few_rows)
+            # GGUF's blocks are not concatenated (Q, K and V may be in different formats): the modules run
+            w = layer_linears(layer, family) if quantized else layer_weights(layer, family)
             attention_in, attention_out, mlp_in, mlp_out = w.norms
             # the post-op forms add the residual to the projection itself: not where a norm comes between
-            fused_ops = _post_op_layer(w, pack) if post_ops and attention_out is None and mlp_out is None else None
-            if fused_ops is None:
+            fused_ops = None
+            if isinstance(w, LayerWeights) and post_ops and attention_out is None and mlp_out is None:
+                fused_ops = _post_op_layer(w, pack)
+            if isinstance(w, LayerLinears):
+                qkv, o, gate_up, down = _stacked_linears(w)
+            elif fused_ops is None:
+                qkv = _linear(w.qkv, w.qkv_bias, pack, few_rows)
                 o, gate_up, down = (_linear(x, None, pack, few_rows) for x in (w.o, w.gate_up, w.down))
             else:  # the few-rows kernel in front of the post-ops' packed weights (no third copy)
+                qkv = _linear(w.qkv, w.qkv_bias, pack, few_rows)
                 o_residual, packed_mlp = fused_ops
                 o, gate_up, down = ((few_rows and few_rows_linear(x, None, fallback)) or fallback
                                     for x, fallback in ((w.o, o_residual), (w.gate_up, packed_mlp.gate_up),
@@ -239,8 +265,9 @@ class FusedDecoder:
                 attention_out_norm=attention_out, mlp_out_norm=mlp_out,
                 o_residual=fused_ops and fused_ops[0], mlp=fused_ops and fused_ops[1],
             ))
-        self.intermediate = w.down.shape[1]
-        self.num_kv_heads = (w.qkv.shape[0] // self.head_dim - self.num_heads) // 2
+        self.intermediate = w.down.in_features if isinstance(w, LayerLinears) else w.down.shape[1]
+        qkv_width = sum(p.out_features for p in w.qkv) if isinstance(w, LayerLinears) else w.qkv.shape[0]
+        self.num_kv_heads = (qkv_width // self.head_dim - self.num_heads) // 2
         # the few-rows kernel's linears, kept here: callers may wrap the layers' callables (bench-step --parts)
         self._few_rows = [f for f in self.linears().values() if isinstance(f, FewRowsLinear)]
         self.post_ops_on = True  # steps of more rows than the few-rows kernel takes run the post-op forms

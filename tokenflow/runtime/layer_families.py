@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenflow.runtime.cpu.gguf_linear import QuantizedLinear
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
 from tokenflow.runtime.gated_mlp import is_silu
 
-__all__ = ("LayerFamily", "LayerWeights", "describes", "embedding_multiplier", "family_for", "final_norm_runs",
-           "head_weight", "layer_weights")
+__all__ = ("LayerFamily", "LayerLinears", "LayerWeights", "describes", "embedding_multiplier", "family_for",
+           "final_norm_runs", "head_weight", "layer_linears", "layer_weights", "logits_divisor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +88,9 @@ def family_for(config: object) -> LayerFamily | None:
 
 
 def _linears(owner: object, names: tuple[str, ...]) -> list[torch.nn.Linear] | None:
+    """The linears `names` of `owner`: plain `nn.Linear`s or GGUF ones (ggml blocks), nothing else."""
     parts = [getattr(owner, name, None) for name in names]
-    return parts if all(type(p) is torch.nn.Linear for p in parts) else None  # type: ignore[return-value]
+    return parts if all(type(p) in (torch.nn.Linear, QuantizedLinear) for p in parts) else None  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +172,29 @@ def layer_weights(layer: torch.nn.Module, family: LayerFamily) -> LayerWeights:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class LayerLinears:
+    """One layer's linear modules as the family names them (for linears that cannot be concatenated: GGUF's)."""
+
+    qkv: list[torch.nn.Linear]
+    o: torch.nn.Linear
+    gate_up: list[torch.nn.Linear]
+    down: torch.nn.Linear
+    residual_multiplier: float  # Granite's: times the o and down outputs
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+    norms: tuple[torch.nn.Module | None, ...]  # as LayerWeights'
+
+
+def layer_linears(layer: torch.nn.Module, family: LayerFamily) -> LayerLinears:
+    """`layer`'s linear modules; `layer` must be one `family` describes."""
+    parts = _parts(layer, family)
+    if parts is None:
+        raise ValueError(f"{type(layer).__name__} is not a {family.name} layer as the fused loop runs it")
+    return LayerLinears(parts.qkv, parts.o, parts.gate_up, parts.down, parts.residual_multiplier, parts.q_norm,
+                        parts.k_norm, parts.norms)
+
+
 def embedding_multiplier(model: torch.nn.Module, family: LayerFamily) -> float:
     """What the family multiplies the embeddings by (Granite's `embedding_multiplier`; 1 elsewhere)."""
     return float(getattr(model.model, "embedding_multiplier", 1.0)) if family.multipliers else 1.0
@@ -178,12 +203,17 @@ def embedding_multiplier(model: torch.nn.Module, family: LayerFamily) -> float:
 def head_weight(model: torch.nn.Module, family: LayerFamily) -> torch.Tensor:
     """The head's weight with the family's logit scaling folded in (Granite divides the logits by
     `logits_scaling`): the model's own tensor where there is none."""
-    divisor = float(getattr(model.config, "logits_scaling", 1.0) or 1.0) if family.multipliers else 1.0
+    divisor = logits_divisor(model, family)
     weight = model.lm_head.weight
     if divisor == 1.0:
         return weight
     with torch.no_grad():
         return weight / divisor
+
+
+def logits_divisor(model: torch.nn.Module, family: LayerFamily) -> float:
+    """What the family divides the logits by (Granite's `logits_scaling`; 1 elsewhere)."""
+    return float(getattr(model.config, "logits_scaling", 1.0) or 1.0) if family.multipliers else 1.0
 
 
 def _concatenated(parts: list[torch.Tensor]) -> torch.Tensor:

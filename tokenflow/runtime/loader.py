@@ -68,8 +68,32 @@ def weight_bytes(path: Path, dtype: torch.dtype) -> int:
     return total
 
 
-def load_model(path: Path, config: EngineConfig) -> LoadedModel:
-    """Blocking: run in a worker thread."""
+def gguf_kept_quantized(config: EngineConfig, device: torch.device, dtype: torch.dtype, folder: Path,
+                        gguf_file: Path) -> bool:
+    """Whether a .gguf model (its config in `folder`) runs its tensors as the file holds them (else they are
+    dequantised once), logged where it was asked for but cannot."""
+    import json
+
+    from tokenflow.runtime.gguf_model import GGUF_ARCHITECTURES
+
+    if config.gguf_weights != "quantized":
+        return False
+    reasons = []
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        reasons.append(f"it runs on CPU in bf16 or fp32, not {device.type} {dtype}")
+    if config.backend != "paged" or config.quantization:
+        reasons.append("it runs on the paged backend without quantization='int8'")
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type not in GGUF_ARCHITECTURES:
+        reasons.append(f"architecture {model_type!r} is not one of {', '.join(GGUF_ARCHITECTURES)}")
+    if reasons:
+        log.warning("%s: GGUF weights dequantised to fp32 (%s)", gguf_file.name, "; ".join(reasons))
+    return not reasons
+
+
+def load_model(path: Path, config: EngineConfig, gguf_file: Path | None = None) -> LoadedModel:
+    """Blocking: run in a worker thread. `gguf_file`: the weights of a .gguf model (`path` holds its config
+    and tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if config.num_threads:
@@ -78,18 +102,31 @@ def load_model(path: Path, config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, device)
     if device.type == "cpu" and config.cpu_keep_freed_memory:
         keep_freed_memory()
+    quantized_gguf = gguf_file is not None and gguf_kept_quantized(config, device, dtype, path, gguf_file)
+    if gguf_file is not None and not quantized_gguf:
+        from tokenflow.hub.resolve import dequantized_gguf
+
+        path = dequantized_gguf(gguf_file, progress=on_terminal())
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        # device_map loads each tensor straight onto the device (accelerate), so on CUDA the weights
-        # never sit in host RAM first; one code path for every device
-        with quiet_transformers(not on_terminal()):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": str(device)})
+        if quantized_gguf:
+            from tokenflow.runtime.gguf_model import load_gguf_model
+
+            assert gguf_file is not None
+            model = load_gguf_model(path, gguf_file, dtype)
+        else:
+            # device_map loads each tensor straight onto the device (accelerate), so on CUDA the weights
+            # never sit in host RAM first; one code path for every device
+            with quiet_transformers(not on_terminal()):
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": str(device)})
     except torch.OutOfMemoryError as exc:
         needed, name = weight_bytes(path, dtype) / 2**30, str(dtype).removeprefix("torch.")
         raise ModelLoadError(
             f"out of memory loading the weights of {path} ({needed:.2f} GiB in {name} on {device}): pick a "
             f"smaller dtype (bfloat16 or float16), a smaller model, or another device; {exc}"
         ) from exc
+    except ModelLoadError:
+        raise
     except Exception as exc:
         raise ModelLoadError(f"could not load the model from {path}: {exc}") from exc
     if not getattr(tokenizer, "is_fast", False):

@@ -91,11 +91,13 @@ def profile_step_peak(runner: PagedModelRunner, num_tokens: int, num_logits: int
 
 
 def _parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters, each storage once (a tied head is its embedding)."""
+    """Bytes of the model's parameters, each storage once (a tied head is its embedding), GGUF blocks included."""
+    from tokenflow.runtime.gguf_model import quantized_bytes
+
     seen: dict[int, int] = {}
-    for param in model.parameters():
+    for param in model.parameters():  # GGUF modules' placeholders hold one value: their blocks count instead
         seen[param.untyped_storage().data_ptr()] = param.untyped_storage().nbytes()
-    return sum(seen.values())
+    return sum(seen.values()) + quantized_bytes(model)
 
 
 def decode_graph_mode(config: EngineConfig, device: torch.device) -> str | None:

@@ -1,0 +1,125 @@
+"""GGUF's ggml blocks on CPU (tokenflow.runtime.cpu.gguf_linear): dequantised exactly as the `gguf` package
+(llama.cpp's own Python reader) dequantises them, and products as exact as torch's on those values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+
+from tokenflow.runtime.cpu.gguf_linear import (
+    FEW_ROWS,
+    FORMATS,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    StackedLinear,
+    load_gguf_kernels,
+)
+
+kernels = load_gguf_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler (or another OpenMP runtime) here")
+
+# the byte offsets of each block's fp16 scale fields (random bytes there could be NaN or huge)
+_HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(format: int, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    """A `[n, k]` weight of random blocks of `format` (every code and sub-block scale random; the fp16 scales
+    small, as a trained model's)."""
+    name, values, nbytes = FORMATS[format]
+    rng = np.random.default_rng(seed)
+    if name in ("F32", "F16", "BF16"):
+        w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+        dense = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
+        data = w.to(dense).view(torch.uint8).reshape(n, -1)
+        return QuantizedWeight(data.contiguous(), format, n, k)
+    blocks = rng.integers(0, 256, size=(n, k // values, nbytes), dtype=np.uint8)
+    for offset in _HALF_FIELDS[name]:
+        scale = rng.uniform(0.001, 0.02, size=(n, k // values)).astype(np.float16)
+        if offset == 2 and name in ("Q4_1", "Q5_1"):  # the block's minimum, negative as a rule
+            scale = -scale * 8
+        blocks[:, :, offset:offset + 2] = scale.view(np.uint8).reshape(n, k // values, 2)
+    return QuantizedWeight(torch.from_numpy(blocks.reshape(n, -1)), format, n, k)
+
+
+def reference(weight: QuantizedWeight) -> torch.Tensor:
+    """The `gguf` package's dequantisation (fp32)."""
+    qtype = GGMLQuantizationType(weight.format)
+    values = quants.dequantize(weight.data.numpy(), qtype)
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(weight.n, weight.k)
+
+
+FORMAT_IDS = sorted(FORMATS)
+
+
+@pytest.mark.parametrize("format", FORMAT_IDS, ids=[FORMATS[f][0] for f in FORMAT_IDS])
+def test_dequantised_exactly_as_the_gguf_package(format: int) -> None:
+    weight = random_blocks(format, 7, 512, seed=format)
+    want = reference(weight)
+    assert torch.equal(kernels.dequantize(weight, torch.float32), want)
+    assert torch.equal(kernels.dequantize(weight, torch.bfloat16), want.bfloat16())
+    ids = torch.tensor([6, 0, 6, 3])  # an embedding's lookup: rows in any order, repeated
+    assert torch.equal(kernels.dequantize(weight, torch.float32, ids), want[ids])
+    with pytest.raises(IndexError):
+        kernels.dequantize(weight, torch.float32, torch.tensor([7]))
+
+
+@pytest.mark.skipif(kernels is None or not kernels.has_few_rows, reason="the few-rows kernel needs AVX-512")
+@pytest.mark.parametrize("format", FORMAT_IDS, ids=[FORMATS[f][0] for f in FORMAT_IDS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_products_as_exact_as_torch(format: int, dtype: torch.dtype) -> None:
+    n, k = 37, 768  # n not a multiple of the kernel's four weight rows
+    weight = random_blocks(format, n, k, seed=format + 1)
+    dense = reference(weight)
+    gen = torch.Generator().manual_seed(format)
+    for m in (1, 3, 4, 5, FEW_ROWS):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        out = torch.empty(m, n, dtype=dtype)
+        assert kernels.few_rows(x, weight, out)
+        want = x.double() @ dense.double().T
+        torch_err = ((F.linear(x.float(), dense).to(dtype).double() - want).norm() / want.norm()).item()
+        err = ((out.double() - want).norm() / want.norm()).item()
+        # fp32: summation order only; bf16: the output's rounding (2^-9), as torch's
+        assert err <= max(1.01 * torch_err, 1e-6 if dtype == torch.float32 else 3e-3), (m, err, torch_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_modules_over_blocks_match_dense_modules(dtype: torch.dtype) -> None:
+    """QuantizedLinear (every row count: the few-rows kernel and the dequantised product), a stacked QKV of
+    three formats with a bias, and the embedding, against torch's modules over the dequantised weights."""
+    q8, q4k, q6k = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+    parts = [random_blocks(int(f), n, 512, seed=n) for f, n in ((q8, 64), (q4k, 32), (q6k, 32))]
+    bias = torch.randn(32)
+    modules = [QuantizedLinear(p, kernels, dtype, bias if i == 2 else None) for i, p in enumerate(parts)]
+    assert modules[0].weight.shape == (64, 512) and modules[0].weight.untyped_storage().nbytes() <= 4
+    stacked = StackedLinear(modules)
+    dense_w = torch.cat([reference(p) for p in parts]).to(dtype)
+    dense_b = torch.cat([torch.zeros(96), bias]).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 5e-3  # bf16: the outputs' rounding, summed in another order
+
+    def error(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+    for m in (1, FEW_ROWS, FEW_ROWS + 1, 70):
+        x = torch.randn(m, 512).to(dtype)
+        assert error(stacked(x), F.linear(x, dense_w, dense_b)) < tol
+        got = modules[1](x.view(1, m, 512))
+        assert got.shape == (1, m, 32) and error(got, F.linear(x, dense_w[64:96]).view(1, m, 32)) < tol
+    embedding = QuantizedEmbedding(parts[0], kernels, dtype)
+    ids = torch.tensor([[3, 63, 3]])
+    assert torch.equal(embedding(ids), reference(parts[0]).to(dtype)[ids])
+
+
+def test_a_format_or_width_the_kernel_does_not_take_is_refused() -> None:
+    weight = random_blocks(int(GGMLQuantizationType.Q4_K), 2, 256)
+    odd = QuantizedWeight(weight.data, weight.format, 2, 512)  # rows hold 256 values, not 512
+    with pytest.raises(ValueError, match="refused"):
+        kernels.dequantize(odd, torch.float32)
+    assert not kernels.few_rows(torch.randn(1, 512), odd, torch.empty(1, 2))
+    unknown = QuantizedWeight(weight.data, 99, 2, 256)
+    with pytest.raises(ValueError, match="refused"):
+        kernels.dequantize(unknown, torch.float32)
