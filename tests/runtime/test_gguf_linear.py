@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from tokenflow.runtime.cpu.gguf_linear import (
+    DENSE_FORMATS,
     FEW_ROWS,
     FORMATS,
     QuantizedEmbedding,
@@ -54,6 +55,7 @@ def reference(weight: QuantizedWeight) -> torch.Tensor:
 
 
 FORMAT_IDS = sorted(FORMATS)
+QUANTIZED_IDS = sorted(set(FORMATS) - DENSE_FORMATS)
 
 
 @pytest.mark.parametrize("format", FORMAT_IDS, ids=[FORMATS[f][0] for f in FORMAT_IDS])
@@ -69,7 +71,7 @@ def test_dequantised_exactly_as_the_gguf_package(format: int) -> None:
 
 
 @pytest.mark.skipif(kernels is None or not kernels.has_few_rows, reason="the few-rows kernel needs AVX-512")
-@pytest.mark.parametrize("format", FORMAT_IDS, ids=[FORMATS[f][0] for f in FORMAT_IDS])
+@pytest.mark.parametrize("format", QUANTIZED_IDS, ids=[FORMATS[f][0] for f in QUANTIZED_IDS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_rows_products_as_exact_as_torch(format: int, dtype: torch.dtype) -> None:
     n, k = 37, 768  # n not a multiple of the kernel's four weight rows
@@ -120,6 +122,8 @@ def test_a_format_or_width_the_kernel_does_not_take_is_refused() -> None:
     with pytest.raises(ValueError, match="refused"):
         kernels.dequantize(odd, torch.float32)
     assert not kernels.few_rows(torch.randn(1, 512), odd, torch.empty(1, 2))
+    for dense in DENSE_FORMATS:  # F32, F16, BF16 load as plain tensors: the few-rows kernel does not take them
+        assert not kernels.few_rows(torch.randn(1, 64), random_blocks(dense, 2, 64), torch.empty(1, 2))
     unknown = QuantizedWeight(weight.data, 99, 2, 256)
     with pytest.raises(ValueError, match="refused"):
         kernels.dequantize(unknown, torch.float32)

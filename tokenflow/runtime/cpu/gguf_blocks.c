@@ -8,8 +8,8 @@
  * - gguf_dequantize: rows into floats (fp32 or bf16, round to nearest even), for a prefill chunk's product
  *   (oneDNN on the dequantised weight), an embedding's rows, and the tests.
  * - gguf_few_rows: y = x W^T for the few rows of a decode step. Threads split the weight rows four at a time;
- *   four rows are dequantised into fp32 in the thread's scratch (L1/L2) and every input row is multiplied with
- *   them there, four input rows at a time (16 accumulators), so each weight byte is read once from memory.
+ *   block by block, the four rows are dequantised into fp32 in an L1 buffer and multiplied there with the input
+ *   rows (up to four: 16 accumulators in registers; more: groups of four over each dequantised chunk).
  *
  * Formats follow ggml's reference dequantisation (ggml-quants.c): value = d * q (+ offsets) per block, with
  * the K-quants' 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales.
@@ -29,6 +29,7 @@ enum {
 #define QK 256  /* values per K-quant super-block */
 #define WR 4    /* weight rows per pass of gguf_few_rows */
 #define XR 4    /* input rows per register tile */
+#define MAX_ROWS 64 /* input rows gguf_few_rows takes */
 
 static inline float half_to_float(uint16_t h)
 {
@@ -57,7 +58,11 @@ static inline float half_at(const uint8_t *p)
 {
     uint16_t h;
     memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h); /* one instruction; every block reads one or two */
+#else
     return half_to_float(h);
+#endif
 }
 
 /* Values per block and bytes per block of a format (0: not one of ours). */
@@ -186,6 +191,115 @@ static inline void dequantize_block(int format, const uint8_t *b, float *restric
     }
 }
 
+#if defined(__AVX512F__)
+/* AVX-512 forms of dequantize_block (the same values: d * q is exact in fp32 for every format but Q6_K, whose
+ * (d * scale) * q rounds as the scalar form's); 16 values per vector. */
+
+/* 16 bytes as 16 int32 lanes. */
+static inline __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline void store16(float *y, __m512i q, float d, float m)
+{
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q), _mm512_set1_ps(m)));
+}
+
+static inline __attribute__((always_inline)) void dequantize_block_avx512(const int format, const uint8_t *b,
+                                                                         float *restrict y)
+{
+    const __m512i low4 = _mm512_set1_epi32(0xF);
+    switch (format) {
+    case Q8_0: {
+        const float d = half_at(b);
+        for (int h = 0; h < 2; ++h) {
+            const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h)));
+            _mm512_storeu_ps(y + 16 * h, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q)));
+        }
+        return;
+    }
+    case Q4_0:
+    case Q4_1:
+    case Q5_0:
+    case Q5_1: {
+        const int one = format == Q4_1 || format == Q5_1, five = format == Q5_0 || format == Q5_1;
+        const float d = half_at(b);
+        const float m = one ? half_at(b + 2) : (five ? -16.f : -8.f) * d;
+        const uint8_t *q = b + 2 + 2 * one + 4 * five;
+        const __m512i raw = bytes16(q);
+        __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_srli_epi32(raw, 4);
+        if (five) { /* bit i of qh: the fifth bit of value i */
+            uint32_t high;
+            memcpy(&high, b + 2 + 2 * one, sizeof high);
+            const __m512i sixteen = _mm512_set1_epi32(16);
+            lo = _mm512_mask_add_epi32(lo, (__mmask16)(high & 0xFFFF), lo, sixteen);
+            hi = _mm512_mask_add_epi32(hi, (__mmask16)(high >> 16), hi, sixteen);
+        }
+        store16(y, lo, d, m);
+        store16(y + 16, hi, d, m);
+        return;
+    }
+    case Q4_K:
+    case Q5_K: {
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *scales = b + 4, *high = b + 16;
+        const uint8_t *q = b + (format == Q5_K ? 48 : 16);
+        for (int j = 0; j < 4; ++j) {
+            int s0, m0, s1, m1;
+            scale_min_k4(2 * j, scales, &s0, &m0);
+            scale_min_k4(2 * j + 1, scales, &s1, &m1);
+            const float d0 = d * (float)s0, o0 = -(dmin * (float)m0), d1 = d * (float)s1, o1 = -(dmin * (float)m1);
+            for (int h = 0; h < 2; ++h) {
+                const __m512i raw = bytes16(q + 16 * h);
+                __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_srli_epi32(raw, 4);
+                if (format == Q5_K) {
+                    const __m512i bits = bytes16(high + 16 * h);
+                    lo = _mm512_add_epi32(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 2 * j),
+                                                                                  _mm512_set1_epi32(1)), 4));
+                    hi = _mm512_add_epi32(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 2 * j + 1),
+                                                                                  _mm512_set1_epi32(1)), 4));
+                }
+                store16(y + 64 * j + 16 * h, lo, d0, o0);
+                store16(y + 64 * j + 32 + 16 * h, hi, d1, o1);
+            }
+            q += 32;
+        }
+        return;
+    }
+    case Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        const __m512i three = _mm512_set1_epi32(3), thirty_two = _mm512_set1_epi32(32);
+        for (int half = 0; half < 2; ++half) {
+            float *out = y + 128 * half;
+            for (int h = 0; h < 2; ++h) { /* values 16h .. 16h + 16 of each quarter: sub-block scale sc[h + 2 * quarter] */
+                const __m512i a = bytes16(ql + 16 * h), c = bytes16(ql + 32 + 16 * h), hb = bytes16(qh + 16 * h);
+                const __m512i q1 = _mm512_or_si512(_mm512_and_si512(a, low4),
+                                                   _mm512_slli_epi32(_mm512_and_si512(hb, three), 4));
+                const __m512i q2 = _mm512_or_si512(_mm512_and_si512(c, low4),
+                                                   _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 2), three), 4));
+                const __m512i q3 = _mm512_or_si512(_mm512_srli_epi32(a, 4),
+                                                   _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 4), three), 4));
+                const __m512i q4 = _mm512_or_si512(_mm512_srli_epi32(c, 4),
+                                                   _mm512_slli_epi32(_mm512_srli_epi32(hb, 6), 4));
+                const __m512i qs[4] = {q1, q2, q3, q4};
+                for (int quarter = 0; quarter < 4; ++quarter) {
+                    const float scale = d * (float)sc[h + 2 * quarter];
+                    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(qs[quarter], thirty_two));
+                    _mm512_storeu_ps(out + 32 * quarter + 16 * h, _mm512_mul_ps(_mm512_set1_ps(scale), v));
+                }
+            }
+            ql += 64;
+            qh += 32;
+            sc += 8;
+        }
+        return;
+    }
+    default:
+        dequantize_block(format, b, y);
+    }
+}
+#endif
+
 /* One row of k values (a whole number of blocks) into fp32. */
 static void dequantize_row(int format, const uint8_t *row, int64_t k, float *restrict y)
 {
@@ -196,7 +310,11 @@ static void dequantize_row(int format, const uint8_t *row, int64_t k, float *res
         return;
     }
     for (int64_t j = 0; j < k; j += values)
+#if defined(__AVX512F__)
+        dequantize_block_avx512(format, row + (j / values) * bytes, y + j);
+#else
         dequantize_block(format, row + (j / values) * bytes, y + j);
+#endif
 }
 
 /* Rows `ids[0 .. count]` (or rows 0 .. count where `ids` is NULL) of the weight at `w` (rows `row_bytes`
@@ -239,25 +357,10 @@ int gguf_few_rows_available(void)
 
 #if defined(__AVX512F__)
 
-/* Sums of rows x[0 .. xr] times weight rows w[0 .. wr] (fp32, k a multiple of 16, rows k apart) into
- * out[i * ldo + c], with the rounding to bf16 where `bf16`. */
-static inline __attribute__((always_inline)) void tile(const int xr, const int wr, const float *x, const float *w,
-                                                       int64_t k, void *out, int64_t ldo, int bf16)
+/* Stores the sums acc[i][c] of input row i and weight row c into out[i * ldo + c], rounded to bf16 where `bf16`. */
+static inline __attribute__((always_inline)) void store_sums(const int xr, const int wr, __m512 acc[XR][WR], void *out,
+                                                             int64_t ldo, int bf16)
 {
-    __m512 acc[XR][WR];
-    for (int i = 0; i < XR; ++i)
-        for (int c = 0; c < WR; ++c)
-            acc[i][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < k; j += 16) {
-        __m512 wv[WR];
-        for (int c = 0; c < wr; ++c)
-            wv[c] = _mm512_loadu_ps(w + c * k + j);
-        for (int i = 0; i < xr; ++i) {
-            const __m512 xv = _mm512_loadu_ps(x + i * k + j);
-            for (int c = 0; c < wr; ++c)
-                acc[i][c] = _mm512_fmadd_ps(xv, wv[c], acc[i][c]);
-        }
-    }
     for (int i = 0; i < xr; ++i)
         for (int c = 0; c < wr; ++c) {
             const float s = _mm512_reduce_add_ps(acc[i][c]);
@@ -268,59 +371,178 @@ static inline __attribute__((always_inline)) void tile(const int xr, const int w
         }
 }
 
-/* tile() for xr, wr known at compile time, so that the accumulators stay in registers. */
-static void tile_any(int xr, int wr, const float *x, const float *w, int64_t k, void *out, int64_t ldo, int bf16)
+/* Rows x[0 .. xr] (fp32, k apart) times weight rows 0 .. wr starting at `w` (`row_bytes` apart, `format`): each
+ * block of the wr rows is dequantised into an L1 buffer and used at once, the sums staying in registers. The
+ * format is a constant where this is inlined (gguf_few_rows' switch), so the block's form is chosen once. */
+static inline __attribute__((always_inline)) void tile_blocks(const int format, const int64_t values,
+                                                              const int64_t bytes, const int xr, const int wr,
+                                                              const float *x, const uint8_t *w, int64_t row_bytes,
+                                                              int64_t k, void *out, int64_t ldo, int bf16)
 {
-#define TILE(A, B) tile(A, B, x, w, k, out, ldo, bf16)
-    if (wr == WR) {
-        switch (xr) {
-        case 4: TILE(4, 4); return;
-        case 3: TILE(3, 4); return;
-        case 2: TILE(2, 4); return;
-        default: TILE(1, 4); return;
+    __attribute__((aligned(64))) float buf[WR][QK];
+    __m512 acc[XR][WR];
+    for (int i = 0; i < XR; ++i)
+        for (int c = 0; c < WR; ++c)
+            acc[i][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += values) {
+        const int64_t at = (j / values) * bytes;
+        for (int c = 0; c < wr; ++c) {
+            __builtin_prefetch(w + c * row_bytes + at + 512, 0, 0); /* the row's stream, a few blocks ahead */
+            dequantize_block_avx512(format, w + c * row_bytes + at, buf[c]);
+        }
+        for (int64_t v = 0; v < values; v += 16) {
+            __m512 wv[WR];
+            for (int c = 0; c < wr; ++c)
+                wv[c] = _mm512_load_ps(buf[c] + v);
+            for (int i = 0; i < xr; ++i) {
+                const __m512 xv = _mm512_loadu_ps(x + i * k + j + v);
+                for (int c = 0; c < wr; ++c)
+                    acc[i][c] = _mm512_fmadd_ps(xv, wv[c], acc[i][c]);
+            }
         }
     }
-    for (int c = 0; c < wr; ++c) /* the weight's last rows */
-        switch (xr) {
-        case 4: tile(4, 1, x, w + c * k, k, (char *)out + c * (bf16 ? 2 : 4), ldo, bf16); break;
-        case 3: tile(3, 1, x, w + c * k, k, (char *)out + c * (bf16 ? 2 : 4), ldo, bf16); break;
-        case 2: tile(2, 1, x, w + c * k, k, (char *)out + c * (bf16 ? 2 : 4), ldo, bf16); break;
-        default: tile(1, 1, x, w + c * k, k, (char *)out + c * (bf16 ? 2 : 4), ldo, bf16); break;
+    store_sums(xr, wr, acc, out, ldo, bf16);
+}
+
+/* Up to XR rows x[0 .. xr] (fp32, k apart) times wr weight rows `wv`-loaded from buf (`chunk` values each, QK
+ * apart) into the sums `sums` [xr][WR] (vectors in memory, read and written back): one chunk of tile_chunks. */
+static inline __attribute__((always_inline)) void chunk_group(const int xr, const int wr, const float *x, int64_t k,
+                                                              const float (*buf)[QK], int64_t chunk, __m512 *sums)
+{
+    __m512 acc[XR][WR];
+    for (int i = 0; i < xr; ++i)
+        for (int c = 0; c < wr; ++c)
+            acc[i][c] = sums[i * WR + c];
+    for (int64_t v = 0; v < chunk; v += 16) {
+        __m512 wv[WR];
+        for (int c = 0; c < wr; ++c)
+            wv[c] = _mm512_load_ps(buf[c] + v);
+        for (int i = 0; i < xr; ++i) {
+            const __m512 xv = _mm512_loadu_ps(x + i * k + v);
+            for (int c = 0; c < wr; ++c)
+                acc[i][c] = _mm512_fmadd_ps(xv, wv[c], acc[i][c]);
         }
-#undef TILE
+    }
+    for (int i = 0; i < xr; ++i)
+        for (int c = 0; c < wr; ++c)
+            sums[i * WR + c] = acc[i][c];
+}
+
+/* More than XR input rows (up to MAX_ROWS) times weight rows 0 .. wr: each chunk of up to QK values of the wr rows
+ * is dequantised once into an L1 buffer, then every group of XR input rows runs over it (their sums kept in L1
+ * between chunks), so the weight rows' blocks are read and dequantised once for all the rows. */
+static inline __attribute__((always_inline)) void tile_chunks(const int format, const int64_t values,
+                                                              const int64_t bytes, const int64_t m, const int wr,
+                                                              const float *x, const uint8_t *w, int64_t row_bytes,
+                                                              int64_t k, void *out, int64_t ldo, int bf16)
+{
+    __attribute__((aligned(64))) float buf[WR][QK];
+    __m512 sums[MAX_ROWS * WR];
+    for (int64_t i = 0; i < m * WR; ++i)
+        sums[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += QK) {
+        const int64_t chunk = k - j < QK ? k - j : QK;
+        for (int c = 0; c < wr; ++c) {
+            const uint8_t *row = w + c * row_bytes + (j / values) * bytes;
+            __builtin_prefetch(row + 1024, 0, 0);
+            for (int64_t b = 0; b < chunk / values; ++b)
+                dequantize_block_avx512(format, row + b * bytes, buf[c] + b * values);
+        }
+        for (int64_t i = 0; i < m; i += XR) {
+            const int xr = m - i < XR ? (int)(m - i) : XR;
+            const float *rows = x + i * k + j;
+            __m512 *group = sums + i * WR;
+            if (wr == WR && xr == XR)
+                chunk_group(XR, WR, rows, k, (const float (*)[QK])buf, chunk, group);
+            else
+                for (int r = 0; r < xr; ++r) /* the last rows: one at a time */
+                    for (int c = 0; c < wr; ++c)
+                        chunk_group(1, 1, rows + r * k, k, (const float (*)[QK])buf + c, chunk, group + r * WR + c);
+        }
+    }
+    for (int64_t i = 0; i < m; ++i)
+        for (int c = 0; c < wr; ++c) {
+            const float s = _mm512_reduce_add_ps(sums[i * WR + c]);
+            if (bf16)
+                ((uint16_t *)out)[i * ldo + c] = float_to_bf16(s);
+            else
+                ((float *)out)[i * ldo + c] = s;
+        }
+}
+
+/* tile_blocks (up to XR input rows: xr and wr known at compile time, the sums in registers) or tile_chunks (more
+ * rows), for one format. */
+#define TILE_ROWS(F, V, B)                                                                                          \
+    static void tile_##F(int64_t m, int wr, const float *x, const uint8_t *w, int64_t row_bytes, int64_t k,       \
+                         void *out, int64_t ldo, int bf16)                                                          \
+    {                                                                                                               \
+        if (m > XR) {                                                                                               \
+            tile_chunks(F, V, B, m, wr, x, w, row_bytes, k, out, ldo, bf16);                                        \
+            return;                                                                                                 \
+        }                                                                                                           \
+        if (wr == WR) {                                                                                             \
+            switch (m) {                                                                                            \
+            case 4: tile_blocks(F, V, B, 4, 4, x, w, row_bytes, k, out, ldo, bf16); return;                       \
+            case 3: tile_blocks(F, V, B, 3, 4, x, w, row_bytes, k, out, ldo, bf16); return;                       \
+            case 2: tile_blocks(F, V, B, 2, 4, x, w, row_bytes, k, out, ldo, bf16); return;                       \
+            default: tile_blocks(F, V, B, 1, 4, x, w, row_bytes, k, out, ldo, bf16); return;                      \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int c = 0; c < wr; ++c) /* the weight's last rows, one at a time */                                    \
+            tile_blocks(F, V, B, (int)m, 1, x, w + c * row_bytes, row_bytes, k, (char *)out + c * (bf16 ? 2 : 4),   \
+                        ldo, bf16);                                                                                 \
+    }
+TILE_ROWS(Q8_0, 32, 34)
+TILE_ROWS(Q4_0, 32, 18)
+TILE_ROWS(Q4_1, 32, 20)
+TILE_ROWS(Q5_0, 32, 22)
+TILE_ROWS(Q5_1, 32, 24)
+TILE_ROWS(Q4_K, QK, 144)
+TILE_ROWS(Q5_K, QK, 176)
+TILE_ROWS(Q6_K, QK, 210)
+#undef TILE_ROWS
+
+typedef void (*TileRows)(int64_t, int, const float *, const uint8_t *, int64_t, int64_t, void *, int64_t, int);
+
+static TileRows tile_rows_for(int format)
+{
+    switch (format) {
+    case Q8_0: return tile_Q8_0;
+    case Q4_0: return tile_Q4_0;
+    case Q4_1: return tile_Q4_1;
+    case Q5_0: return tile_Q5_0;
+    case Q5_1: return tile_Q5_1;
+    case Q4_K: return tile_Q4_K;
+    case Q5_K: return tile_Q5_K;
+    case Q6_K: return tile_Q6_K;
+    default: return NULL;
+    }
 }
 
 #endif
 
-/* y = x W^T: x [m][k] (bf16 or fp32, rows k apart), W [n][k] in `format` (rows `row_bytes` apart), y [m][n]
- * rows `ldo` apart in x's dtype. `scratch` holds m * k floats (the rows in fp32). 0, or -1 where it does not
- * run (no AVX-512, an unknown format, k not a multiple of 16 or of the format's block). */
+/* y = x W^T: x [m][k] (bf16 or fp32, rows k apart), W [n][k] in a quantised `format` (rows `row_bytes` apart),
+ * y [m][n] rows `ldo` apart in x's dtype. `scratch` holds m * k floats (the rows in fp32). Threads split the
+ * weight rows four at a time (tile_blocks, tile_chunks). 0, or -1 where it does not run (no AVX-512, more than
+ * MAX_ROWS rows, a dense or unknown format, k not a whole number of blocks). */
 int gguf_few_rows(int format, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int x_bf16,
                   int64_t m, float *scratch, void *out, int64_t ldo)
 {
 #if defined(__AVX512F__)
     int64_t values, bytes;
-    if (!gguf_block_shape(format, &values, &bytes) || k % values != 0 || k % 16 != 0 || k / values * bytes != row_bytes)
+    const TileRows tile_rows = tile_rows_for(format);
+    if (tile_rows == NULL || m > MAX_ROWS || !gguf_block_shape(format, &values, &bytes) || k % values != 0
+        || k / values * bytes != row_bytes)
         return -1;
     for (int64_t i = 0; i < m * k; ++i)
         scratch[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
     const int64_t passes = (n + WR - 1) / WR;
     const int size = x_bf16 ? 2 : 4;
-#pragma omp parallel
-    {
-        float *rows = aligned_alloc(64, sizeof(float) * (size_t)(WR * k));
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < passes; ++p) {
-            const int64_t c0 = p * WR;
-            const int wr = n - c0 < WR ? (int)(n - c0) : WR;
-            for (int c = 0; c < wr; ++c)
-                dequantize_row(format, w + (c0 + c) * row_bytes, k, rows + c * k);
-            for (int64_t i = 0; i < m; i += XR) {
-                const int xr = m - i < XR ? (int)(m - i) : XR;
-                tile_any(xr, wr, scratch + i * k, rows, k, (char *)out + (i * ldo + c0) * size, ldo, x_bf16);
-            }
-        }
-        free(rows);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < passes; ++p) {
+        const int64_t c0 = p * WR;
+        const int wr = n - c0 < WR ? (int)(n - c0) : WR;
+        tile_rows(m, wr, scratch, w + c0 * row_bytes, row_bytes, k, (char *)out + c0 * size, ldo, x_bf16);
     }
     return 0;
 #else

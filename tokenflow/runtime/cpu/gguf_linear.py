@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tokenflow.runtime.cpu.native_kernels import FLAGS, load_library
 
-__all__ = ("FORMATS", "GGUFKernels", "QuantizedEmbedding", "QuantizedLinear", "QuantizedWeight", "StackedLinear",
+__all__ = ("DENSE_FORMATS", "FORMATS", "GGUFKernels", "QuantizedEmbedding", "QuantizedLinear", "QuantizedWeight", "StackedLinear",
            "load_gguf_kernels", "placeholder", "weight_supported")
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
@@ -33,6 +33,7 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
+DENSE_FORMATS = frozenset({0, 1, 30})  # F32, F16, BF16: loaded as plain tensors (`gguf_model.py`), not kept as blocks
 # Up to this many rows a product runs gguf_few_rows (the weight's bytes stream once); above, the weight is
 # dequantised into a scratch for oneDNN's product (the rows' arithmetic dominates)
 FEW_ROWS = 16
@@ -68,9 +69,10 @@ class QuantizedWeight:
 
 
 def weight_supported(format: int, k: int) -> bool:
-    """Whether gguf_blocks.c runs a weight of this format with rows of k values."""
+    """Whether a weight of this format with rows of k values is kept as blocks (a quantised format gguf_blocks.c
+    reads, whole blocks a row)."""
     shape = FORMATS.get(format)
-    return shape is not None and k % shape[1] == 0
+    return shape is not None and format not in DENSE_FORMATS and k % shape[1] == 0
 
 
 class GGUFKernels:
