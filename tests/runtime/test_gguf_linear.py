@@ -78,6 +78,7 @@ def test_few_rows_products_as_exact_as_torch(format: int, dtype: torch.dtype) ->
     weight = random_blocks(format, n, k, seed=format + 1)
     dense = reference(weight)
     gen = torch.Generator().manual_seed(format)
+    assert kernels.few_rows(torch.empty(0, k, dtype=dtype), weight, torch.empty(0, n, dtype=dtype))  # no rows
     for m in (1, 3, 4, 5, FEW_ROWS):
         x = torch.randn(m, k, generator=gen).to(dtype)
         out = torch.empty(m, n, dtype=dtype)
@@ -106,6 +107,7 @@ def test_modules_over_blocks_match_dense_modules(dtype: torch.dtype) -> None:
     def error(got: torch.Tensor, want: torch.Tensor) -> float:
         return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
+    assert stacked(torch.empty(0, 512, dtype=dtype)).shape == (0, 128)  # a step that samples no row
     for m in (1, FEW_ROWS, FEW_ROWS + 1, 70):
         x = torch.randn(m, 512).to(dtype)
         assert error(stacked(x), F.linear(x, dense_w, dense_b)) < tol

@@ -15,12 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ("GGUF_TYPES", "gguf_for", "llamacpp_binary")
+__all__ = ("GGUF_QUANT_TYPES", "GGUF_TYPES", "gguf_for", "llamacpp_binary")
 
 # the bench's dtype (or a GGUF type) -> the converter's --outtype, or the llama-quantize type
 GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32", "bf16": "bf16", "f32": "f32", "q8_0": "q8_0",
               "q4_k_m": "Q4_K_M", "q6_k": "Q6_K", "q4_0": "Q4_0"}
 _CONVERTER_TYPES = {"bf16", "f32", "q8_0"}
+GGUF_QUANT_TYPES = frozenset({"q8_0", "q4_k_m", "q6_k", "q4_0"})  # the quantised ones: tokenflow runs the file too
 
 
 def _peer_dir() -> Path:

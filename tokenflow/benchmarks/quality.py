@@ -8,8 +8,12 @@
 * kv_compression at each `--compression-ratios` against dense: perplexity of a continuation decoded
   over a compressed prefix, and pass-key retrieval from long documents (`benchmarks.compression`).
 
-Variants: fp32, bf16, bf16 with `quantization="int8"`, with `kv_cache_dtype="int8"`, and both; each
-engine runs in this process one after the other, with the same requests. Windows are prefilled in
+Variants: fp32, bf16, bf16 with `quantization="int8"`, with `kv_cache_dtype="int8"`, and both, and the model's
+GGUF files made by llama.cpp's tools (`gguf q8_0`, `gguf q4_k_m`, `gguf q4_0`: run as they are, bf16 activations);
+each engine runs in this process one after the other, with the same requests. With `--llamacpp`, llama.cpp's own
+`llama-perplexity` scores the bf16 GGUF and each GGUF variant's file on the same text, for the ratio to set beside
+ours (its windows score their second half only, so its absolute figures differ from ours; the ratio to bf16 is
+what compares). Windows are prefilled in
 `max_batch_tokens` chunks (512 on CPU), so with an int8 cache every chunk after a window's first
 attends to dequantised keys and values, as decodes do.
 """
@@ -35,7 +39,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "int8 weights": {"dtype": "bfloat16", "quantization": "int8"},
     "int8 KV": {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
     "int8 weights + KV": {"dtype": "bfloat16", "quantization": "int8", "kv_cache_dtype": "int8"},
+    "gguf q8_0": {"dtype": "bfloat16", "gguf": "q8_0"},
+    "gguf q4_k_m": {"dtype": "bfloat16", "gguf": "q4_k_m"},
+    "gguf q4_0": {"dtype": "bfloat16", "gguf": "q4_0"},
 }
+DEFAULT_VARIANTS = ("fp32", "bf16", "int8 weights", "int8 KV", "int8 weights + KV")
 
 QUESTIONS = (
     "Why is the sky blue?", "Write a haiku about the sea.", "What is the capital of Japan?",
@@ -84,7 +92,13 @@ def run_bench_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit(f"unknown variant {unknown}; known: {', '.join(VARIANTS)}")
     results: dict[str, dict[str, Any]] = {}
     for name in ["fp32", *[n for n in names if n != "fp32"]]:  # fp32 first: the reference
-        results[name] = anyio.run(_measure, args.model, VARIANTS[name], windows, args.max_tokens)
+        settings = dict(VARIANTS[name])
+        gguf_kind = settings.pop("gguf", None)
+        model = str(_gguf_file(args.model, gguf_kind)) if gguf_kind else args.model
+        results[name] = anyio.run(_measure, model, settings, windows, args.max_tokens)
+        if args.llamacpp and (gguf_kind or name == "bf16"):
+            results[name]["llamacpp_perplexity"] = llamacpp_perplexity(
+                _gguf_file(args.model, gguf_kind or "bf16"), Path(args.text), args.window, len(windows))
     reference = results["fp32"]
     rows = []
     bf16 = results["bf16"]["perplexity"] if "bf16" in results else None
@@ -97,6 +111,7 @@ def run_bench_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
             "mean_common_prefix": round(sum(prefixes) / len(prefixes), 2),
             "identical_answers": prefixes.count(args.max_tokens), "answers": len(prefixes),
             "scored_tokens": r["scored_tokens"], "weight_bytes": r["weight_bytes"], "load_s": r["load_s"],
+            "llamacpp_perplexity": r.get("llamacpp_perplexity"),
         })
     _print(rows, args)
     compression = _compression_rows(args, ids) if args.compression_ratios else []
@@ -104,6 +119,30 @@ def run_bench_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
         Path(args.json_out).write_text(json.dumps({"rows": rows, "compression": compression, "args": vars(args),
                                                    "started": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     return rows
+
+
+def _gguf_file(model: str | None, kind: str) -> Path:
+    """The GGUF of `kind` of `model`'s folder, made once by llama.cpp's tools (`gguf_files.py`)."""
+    from tokenflow.benchmarks.gguf_files import gguf_for
+    from tokenflow.hub import resolve_model
+
+    return gguf_for(resolve_model(model).path, kind)
+
+
+def llamacpp_perplexity(gguf_file: Path, text: Path, window: int, chunks: int) -> float:
+    """llama.cpp's `llama-perplexity` on `text` in `chunks` windows of `window` tokens: its final estimate."""
+    import re
+    import subprocess
+
+    from tokenflow.benchmarks.gguf_files import llamacpp_binary
+
+    cmd = [llamacpp_binary("llama-perplexity"), "-m", str(gguf_file), "-f", str(text), "-c", str(window),
+           "--chunks", str(chunks), "-t", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", proc.stdout + proc.stderr)
+    if proc.returncode != 0 or found is None:
+        raise SystemExit(f"llama-perplexity failed (exit {proc.returncode}): {(proc.stdout + proc.stderr)[-2000:]}")
+    return float(found.group(1))
 
 
 def _compression_rows(args: argparse.Namespace, ids: list[int]) -> list[dict[str, Any]]:
@@ -148,18 +187,25 @@ def _compression_rows(args: argparse.Namespace, ids: list[int]) -> list[dict[str
 def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"perplexity of {Path(args.text).name} ({rows[0]['scored_tokens']} tokens, windows of {args.window}); "
           f"greedy agreement with fp32 over {rows[0]['answers']} answers of {args.max_tokens} tokens")
-    print("| variant | perplexity | vs bf16 | mean common prefix with fp32 | identical answers | weight bytes |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | perplexity | vs bf16 | llama-perplexity | its vs bf16 | mean common prefix with fp32 "
+          "| identical answers | weight bytes |")
+    print("|---|---|---|---|---|---|---|---|")
+    llama_bf16 = next((r["llamacpp_perplexity"] for r in rows if r["variant"] == "bf16"), None)
     for r in rows:
         ratio = f"{r['perplexity_vs_bf16']:.4f}" if r["perplexity_vs_bf16"] is not None else ""
         weights = f"{r['weight_bytes'] / 2**20:.1f} MiB" if r["weight_bytes"] else ""
-        print(f"| {r['variant']} | {r['perplexity']:.3f} | {ratio} | {r['mean_common_prefix']:.1f} / {args.max_tokens} "
+        theirs = r.get("llamacpp_perplexity")
+        their_ratio = f"{theirs / llama_bf16:.4f}" if theirs and llama_bf16 else ""
+        print(f"| {r['variant']} | {r['perplexity']:.3f} | {ratio} | {f'{theirs:.3f}' if theirs else ''} "
+              f"| {their_ratio} | {r['mean_common_prefix']:.1f} / {args.max_tokens} "
               f"| {r['identical_answers']} / {r['answers']} | {weights} |")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="llama.cpp's llama-perplexity on the bf16 GGUF and each GGUF variant's file, beside ours")
     p.add_argument("--text", default="/usr/share/common-licenses/GPL-3", help="the held-out text")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the text scored")
     p.add_argument("--window", type=int, default=1024, help="tokens per scored window (one request each)")

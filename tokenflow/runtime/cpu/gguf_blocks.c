@@ -534,6 +534,8 @@ int gguf_few_rows(int format, const uint8_t *w, int64_t row_bytes, int64_t n, in
     if (tile_rows == NULL || m > MAX_ROWS || !gguf_block_shape(format, &values, &bytes) || k % values != 0
         || k / values * bytes != row_bytes)
         return -1;
+    if (m <= 0 || n <= 0) /* a step whose chunks end no prompt asks its head for no rows */
+        return 0;
     for (int64_t i = 0; i < m * k; ++i)
         scratch[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
     const int64_t passes = (n + WR - 1) / WR;
