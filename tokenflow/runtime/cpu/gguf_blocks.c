@@ -30,6 +30,11 @@ enum {
 #define WR 4    /* weight rows per pass of gguf_few_rows */
 #define XR 4    /* input rows per register tile */
 #define MAX_ROWS 64 /* input rows gguf_few_rows takes */
+/* How far ahead of its use a weight row's bytes are prefetched: the streams are four rows at once, and a K-quant
+ * block's dequantisation is long enough that the loads alone do not keep the memory busy */
+#ifndef AHEAD
+#define AHEAD 2048
+#endif
 
 static inline float half_to_float(uint16_t h)
 {
@@ -387,7 +392,8 @@ static inline __attribute__((always_inline)) void tile_blocks(const int format, 
     for (int64_t j = 0; j < k; j += values) {
         const int64_t at = (j / values) * bytes;
         for (int c = 0; c < wr; ++c) {
-            __builtin_prefetch(w + c * row_bytes + at + 512, 0, 0); /* the row's stream, a few blocks ahead */
+            for (int64_t line = 0; line < bytes; line += 64) /* every line of the row's stream, AHEAD bytes on */
+                __builtin_prefetch(w + c * row_bytes + at + AHEAD + line, 0, 0);
             dequantize_block_avx512(format, w + c * row_bytes + at, buf[c]);
         }
         for (int64_t v = 0; v < values; v += 16) {
@@ -444,7 +450,8 @@ static inline __attribute__((always_inline)) void tile_chunks(const int format, 
         const int64_t chunk = k - j < QK ? k - j : QK;
         for (int c = 0; c < wr; ++c) {
             const uint8_t *row = w + c * row_bytes + (j / values) * bytes;
-            __builtin_prefetch(row + 1024, 0, 0);
+            for (int64_t line = 0; line < chunk / values * bytes; line += 64)
+                __builtin_prefetch(row + AHEAD + line, 0, 0);
             for (int64_t b = 0; b < chunk / values; ++b)
                 dequantize_block_avx512(format, row + b * bytes, buf[c] + b * values);
         }
