@@ -3,15 +3,17 @@
 The model's modules come from its config (built on the meta device, so no float copy of a weight is ever
 made); then every tensor is read from the file by the `gguf` package's name map: linears and the embedding
 become `QuantizedLinear` / `QuantizedEmbedding` over the file's blocks, norms and other small tensors are
-dequantised into the model's dtype. llama.cpp's converter permutes the Q and K rows of Llama-architecture
-files for its RoPE; those rows are put back in transformers' order here (whole rows move, so the blocks stay
-intact). Architectures whose files need more than that (other permutations, shifted norms) are not kept
-quantised: `keeps_quantized` says so and the loader dequantises them once instead.
+dequantised into the model's dtype. The blocks are the file's pages, mapped read-only as llama.cpp maps them
+(memory: the file's size, shared with the page cache; a file changed while an engine runs changes its weights).
+llama.cpp's converter permutes the Q and K rows of Llama-architecture files for its RoPE; those rows are put
+back in transformers' order here (whole rows move, so the blocks stay intact). Architectures whose files need
+more than that (other permutations, shifted norms) are not kept quantised: the loader dequantises them once.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +74,9 @@ class _Tensors:
         shape = self.shape(name)
         if len(shape) != 2 or not weight_supported(int(tensor.tensor_type), shape[1]):
             return None
-        raw = torch.from_numpy(np.array(tensor.data).view(np.uint8))  # a copy: the model owns its bytes
+        with warnings.catch_warnings():  # read-only: nothing writes the blocks
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            raw = torch.from_numpy(tensor.data.view(np.uint8))  # the file's mapped pages, no copy (llama.cpp's mmap)
         blocks = self._blocks[name] = QuantizedWeight(raw.reshape(shape[0], -1), int(tensor.tensor_type), *shape)
         return blocks
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from tokenflow.runtime.cpu.native_kernels import FLAGS, load_library
 
-__all__ = ("DENSE_FORMATS", "FORMATS", "GGUFKernels", "QuantizedEmbedding", "QuantizedLinear", "QuantizedWeight", "StackedLinear",
-           "load_gguf_kernels", "placeholder", "weight_supported")
+__all__ = ("DENSE_FORMATS", "FORMATS", "GGUFKernels", "QuantizedEmbedding", "QuantizedLinear", "QuantizedWeight",
+           "StackedLinear", "load_gguf_kernels", "placeholder", "weight_supported")
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
 # ggml type id -> (name, values per block, bytes per block): the formats gguf_blocks.c reads
