@@ -94,18 +94,21 @@ def _linears(owner: object, names: tuple[str, ...]) -> list[torch.nn.Linear] | N
 
 
 @dataclass(frozen=True, slots=True)
-class _Parts:
+class LayerLinears:
+    """One layer's modules as its family names them: the linears (for the fused loop's concatenations, or as
+    they are where they cannot be concatenated: GGUF's blocks), the Q/K norms and the norms by place."""
+
     qkv: list[torch.nn.Linear]
     o: torch.nn.Linear
     gate_up: list[torch.nn.Linear]
     down: torch.nn.Linear
     q_norm: torch.nn.Module | None
     k_norm: torch.nn.Module | None
-    residual_multiplier: float
-    norms: tuple[torch.nn.Module | None, ...]
+    residual_multiplier: float  # Granite's: times the o and down outputs
+    norms: tuple[torch.nn.Module | None, ...]  # as LayerWeights'
 
 
-def _parts(layer: torch.nn.Module, family: LayerFamily) -> _Parts | None:
+def _parts(layer: torch.nn.Module, family: LayerFamily) -> LayerLinears | None:
     """`layer`'s modules as `family` describes them, or None where the layer does anything else."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     qkv, o = _linears(attn, family.qkv), _linears(attn, ("o_proj",))
@@ -130,7 +133,7 @@ def _parts(layer: torch.nn.Module, family: LayerFamily) -> _Parts | None:
     multiplier = getattr(layer, "residual_multiplier", None) if family.multipliers else 1.0
     if not isinstance(multiplier, (int, float)):
         return None
-    return _Parts(qkv, o[0], gate_up, down[0], q_norm, k_norm, float(multiplier), norms)
+    return LayerLinears(qkv, o[0], gate_up, down[0], q_norm, k_norm, float(multiplier), norms)
 
 
 def _is_norm(module: object, family: LayerFamily) -> bool:
@@ -154,9 +157,7 @@ def describes(layer: torch.nn.Module, family: LayerFamily) -> bool:
 def layer_weights(layer: torch.nn.Module, family: LayerFamily) -> LayerWeights:
     """`layer`'s weights in the loop's concatenations (new tensors, for one layer at a time); `layer` must be one
     `family` describes."""
-    parts = _parts(layer, family)
-    if parts is None:
-        raise ValueError(f"{type(layer).__name__} is not a {family.name} layer as the fused loop runs it")
+    parts = layer_linears(layer, family)
     biases = [p.bias for p in parts.qkv if p.bias is not None]
     scale = parts.residual_multiplier
     with torch.no_grad():
@@ -172,27 +173,12 @@ def layer_weights(layer: torch.nn.Module, family: LayerFamily) -> LayerWeights:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class LayerLinears:
-    """One layer's linear modules as the family names them (for linears that cannot be concatenated: GGUF's)."""
-
-    qkv: list[torch.nn.Linear]
-    o: torch.nn.Linear
-    gate_up: list[torch.nn.Linear]
-    down: torch.nn.Linear
-    residual_multiplier: float  # Granite's: times the o and down outputs
-    q_norm: torch.nn.Module | None
-    k_norm: torch.nn.Module | None
-    norms: tuple[torch.nn.Module | None, ...]  # as LayerWeights'
-
-
 def layer_linears(layer: torch.nn.Module, family: LayerFamily) -> LayerLinears:
     """`layer`'s linear modules; `layer` must be one `family` describes."""
     parts = _parts(layer, family)
     if parts is None:
         raise ValueError(f"{type(layer).__name__} is not a {family.name} layer as the fused loop runs it")
-    return LayerLinears(parts.qkv, parts.o, parts.gate_up, parts.down, parts.residual_multiplier, parts.q_norm,
-                        parts.k_norm, parts.norms)
+    return parts
 
 
 def embedding_multiplier(model: torch.nn.Module, family: LayerFamily) -> float:
