@@ -198,110 +198,91 @@ static inline void dequantize_block(int format, const uint8_t *b, float *restric
 
 #if defined(__AVX512F__)
 /* AVX-512 forms of dequantize_block (the same values: d * q is exact in fp32 for every format but Q6_K, whose
- * (d * scale) * q rounds as the scalar form's); 16 values per vector. */
+ * (d * scale) * q rounds as the scalar form's), 16 values at a time: `block_scales` once per block, then
+ * `block_slice` for values 16 s .. 16 s + 16, in registers; the tiles multiply the slices as they come. */
 
 /* 16 bytes as 16 int32 lanes. */
 static inline __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 
-static inline void store16(float *y, __m512i q, float d, float m)
+/* A K-quant block's sub-block scales (Q4_K, Q5_K: d * scale and dmin * min of 8 sub-blocks, from the 12 packed
+ * bytes, four sub-blocks per 32-bit word at once; Q6_K: d * scale of 16); nothing for the others. */
+static inline __attribute__((always_inline)) void block_scales(const int format, const uint8_t *b, float *scale,
+                                                               float *minimum)
 {
-    _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q), _mm512_set1_ps(m)));
+    if (format == Q4_K || format == Q5_K) {
+        uint32_t w[3];
+        memcpy(w, b + 4, sizeof w);
+        const uint32_t low6 = 0x3F3F3F3Fu, low4 = 0x0F0F0F0Fu, top2 = 0xC0C0C0C0u;
+        const uint32_t s_lo = w[0] & low6, m_lo = w[1] & low6; /* sub-blocks 0 .. 3 */
+        const uint32_t s_hi = (w[2] & low4) | ((w[0] & top2) >> 2), m_hi = ((w[2] >> 4) & low4) | ((w[1] & top2) >> 2);
+        const __m256 sv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)s_lo, (int)s_hi, 0, 0)));
+        const __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)m_lo, (int)m_hi, 0, 0)));
+        _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(half_at(b)), sv));
+        _mm256_storeu_ps(minimum, _mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), mv));
+    } else if (format == Q6_K) {
+        const __m512 sv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))));
+        _mm512_storeu_ps(scale, _mm512_mul_ps(_mm512_set1_ps(half_at(b + 208)), sv));
+    }
 }
 
-static inline __attribute__((always_inline)) void dequantize_block_avx512(const int format, const uint8_t *b,
-                                                                         float *restrict y)
+/* Values 16 s .. 16 s + 16 of the block at `b` (`scale`, `minimum`: its block_scales). */
+static inline __attribute__((always_inline)) __m512 block_slice(const int format, const uint8_t *b, const int s,
+                                                                const float *scale, const float *minimum)
 {
     const __m512i low4 = _mm512_set1_epi32(0xF);
     switch (format) {
     case Q8_0: {
-        const float d = half_at(b);
-        for (int h = 0; h < 2; ++h) {
-            const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h)));
-            _mm512_storeu_ps(y + 16 * h, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q)));
-        }
-        return;
+        const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * s)));
+        return _mm512_mul_ps(_mm512_set1_ps(half_at(b)), _mm512_cvtepi32_ps(q));
     }
     case Q4_0:
     case Q4_1:
     case Q5_0:
-    case Q5_1: {
+    case Q5_1: { /* value i < 16: low nibble of byte i; value 16 + i: its high nibble; Q5: bit i of qh the fifth */
         const int one = format == Q4_1 || format == Q5_1, five = format == Q5_0 || format == Q5_1;
         const float d = half_at(b);
         const float m = one ? half_at(b + 2) : (five ? -16.f : -8.f) * d;
-        const uint8_t *q = b + 2 + 2 * one + 4 * five;
-        const __m512i raw = bytes16(q);
-        __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_srli_epi32(raw, 4);
-        if (five) { /* bit i of qh: the fifth bit of value i */
+        const __m512i raw = bytes16(b + 2 + 2 * one + 4 * five);
+        __m512i q = s == 0 ? _mm512_and_si512(raw, low4) : _mm512_srli_epi32(raw, 4);
+        if (five) {
             uint32_t high;
             memcpy(&high, b + 2 + 2 * one, sizeof high);
-            const __m512i sixteen = _mm512_set1_epi32(16);
-            lo = _mm512_mask_add_epi32(lo, (__mmask16)(high & 0xFFFF), lo, sixteen);
-            hi = _mm512_mask_add_epi32(hi, (__mmask16)(high >> 16), hi, sixteen);
+            q = _mm512_mask_add_epi32(q, (__mmask16)(s == 0 ? high & 0xFFFF : high >> 16), q, _mm512_set1_epi32(16));
         }
-        store16(y, lo, d, m);
-        store16(y + 16, hi, d, m);
-        return;
+        return _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q), _mm512_set1_ps(m));
     }
     case Q4_K:
-    case Q5_K: {
-        const float d = half_at(b), dmin = half_at(b + 2);
-        const uint8_t *scales = b + 4, *high = b + 16;
-        const uint8_t *q = b + (format == Q5_K ? 48 : 16);
-        for (int j = 0; j < 4; ++j) {
-            int s0, m0, s1, m1;
-            scale_min_k4(2 * j, scales, &s0, &m0);
-            scale_min_k4(2 * j + 1, scales, &s1, &m1);
-            const float d0 = d * (float)s0, o0 = -(dmin * (float)m0), d1 = d * (float)s1, o1 = -(dmin * (float)m1);
-            for (int h = 0; h < 2; ++h) {
-                const __m512i raw = bytes16(q + 16 * h);
-                __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_srli_epi32(raw, 4);
-                if (format == Q5_K) {
-                    const __m512i bits = bytes16(high + 16 * h);
-                    lo = _mm512_add_epi32(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 2 * j),
-                                                                                  _mm512_set1_epi32(1)), 4));
-                    hi = _mm512_add_epi32(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 2 * j + 1),
-                                                                                  _mm512_set1_epi32(1)), 4));
-                }
-                store16(y + 64 * j + 16 * h, lo, d0, o0);
-                store16(y + 64 * j + 32 + 16 * h, hi, d1, o1);
-            }
-            q += 32;
+    case Q5_K: { /* 64 values per 32 bytes: the low nibbles are sub-block 2 j, the high ones sub-block 2 j + 1 */
+        const int j = s / 4, upper = (s % 4) / 2, h = s % 2, sub = 2 * j + upper;
+        const __m512i raw = bytes16(b + (format == Q5_K ? 48 : 16) + 32 * j + 16 * h);
+        __m512i q = upper ? _mm512_srli_epi32(raw, 4) : _mm512_and_si512(raw, low4);
+        if (format == Q5_K) {
+            const __m512i bits = _mm512_srli_epi32(bytes16(b + 16 + 16 * h), sub);
+            q = _mm512_add_epi32(q, _mm512_slli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(1)), 4));
         }
-        return;
+        return _mm512_fmadd_ps(_mm512_set1_ps(scale[sub]), _mm512_cvtepi32_ps(q), _mm512_set1_ps(-minimum[sub]));
     }
-    case Q6_K: {
-        const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *sc = (const int8_t *)(b + 192);
-        const float d = half_at(b + 208);
-        const __m512i three = _mm512_set1_epi32(3), thirty_two = _mm512_set1_epi32(32);
-        for (int half = 0; half < 2; ++half) {
-            float *out = y + 128 * half;
-            for (int h = 0; h < 2; ++h) { /* values 16h .. 16h + 16 of each quarter: sub-block scale sc[h + 2 * quarter] */
-                const __m512i a = bytes16(ql + 16 * h), c = bytes16(ql + 32 + 16 * h), hb = bytes16(qh + 16 * h);
-                const __m512i q1 = _mm512_or_si512(_mm512_and_si512(a, low4),
-                                                   _mm512_slli_epi32(_mm512_and_si512(hb, three), 4));
-                const __m512i q2 = _mm512_or_si512(_mm512_and_si512(c, low4),
-                                                   _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 2), three), 4));
-                const __m512i q3 = _mm512_or_si512(_mm512_srli_epi32(a, 4),
-                                                   _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 4), three), 4));
-                const __m512i q4 = _mm512_or_si512(_mm512_srli_epi32(c, 4),
-                                                   _mm512_slli_epi32(_mm512_srli_epi32(hb, 6), 4));
-                const __m512i qs[4] = {q1, q2, q3, q4};
-                for (int quarter = 0; quarter < 4; ++quarter) {
-                    const float scale = d * (float)sc[h + 2 * quarter];
-                    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(qs[quarter], thirty_two));
-                    _mm512_storeu_ps(out + 32 * quarter + 16 * h, _mm512_mul_ps(_mm512_set1_ps(scale), v));
-                }
-            }
-            ql += 64;
-            qh += 32;
-            sc += 8;
-        }
-        return;
+    case Q6_K: { /* 128 values per half: 64 low-nibble bytes (quarters 0, 2 from the first 32, 1, 3 from the next) */
+        const int half = s / 8, quarter = (s % 8) / 2, h = s % 2;
+        const uint8_t *ql = b + 64 * half + 32 * (quarter & 1) + 16 * h, *qh = b + 128 + 32 * half + 16 * h;
+        const __m512i raw = bytes16(ql);
+        const __m512i nibble = quarter >= 2 ? _mm512_srli_epi32(raw, 4) : _mm512_and_si512(raw, low4);
+        const __m512i top = _mm512_and_si512(_mm512_srli_epi32(bytes16(qh), 2 * quarter), _mm512_set1_epi32(3));
+        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(nibble, _mm512_slli_epi32(top, 4)), _mm512_set1_epi32(32));
+        return _mm512_mul_ps(_mm512_set1_ps(scale[8 * half + h + 2 * quarter]), _mm512_cvtepi32_ps(q));
     }
     default:
-        dequantize_block(format, b, y);
+        return _mm512_setzero_ps();
     }
+}
+
+static inline __attribute__((always_inline)) void dequantize_block_avx512(const int format, const int64_t values,
+                                                                         const uint8_t *b, float *restrict y)
+{
+    float scale[16], minimum[8];
+    block_scales(format, b, scale, minimum);
+    for (int s = 0; s < values / 16; ++s)
+        _mm512_storeu_ps(y + 16 * s, block_slice(format, b, s, scale, minimum));
 }
 #endif
 
@@ -316,7 +297,10 @@ static void dequantize_row(int format, const uint8_t *row, int64_t k, float *res
     }
     for (int64_t j = 0; j < k; j += values)
 #if defined(__AVX512F__)
-        dequantize_block_avx512(format, row + (j / values) * bytes, y + j);
+        if (format == F16 || format == BF16)
+            dequantize_block(format, row + (j / values) * bytes, y + j);
+        else
+            dequantize_block_avx512(format, values, row + (j / values) * bytes, y + j);
 #else
         dequantize_block(format, row + (j / values) * bytes, y + j);
 #endif
@@ -376,32 +360,32 @@ static inline __attribute__((always_inline)) void store_sums(const int xr, const
         }
 }
 
-/* Rows x[0 .. xr] (fp32, k apart) times weight rows 0 .. wr starting at `w` (`row_bytes` apart, `format`): each
- * block of the wr rows is dequantised into an L1 buffer and used at once, the sums staying in registers. The
- * format is a constant where this is inlined (gguf_few_rows' switch), so the block's form is chosen once. */
+/* Rows x[0 .. xr] (fp32, k apart) times weight rows 0 .. wr starting at `w` (`row_bytes` apart, `format`): the wr
+ * rows' blocks are dequantised 16 values at a time in registers and multiplied at once, the sums staying in
+ * registers. The format is a constant where this is inlined (tile_<format>), so each block's form is chosen once. */
 static inline __attribute__((always_inline)) void tile_blocks(const int format, const int64_t values,
                                                               const int64_t bytes, const int xr, const int wr,
                                                               const float *x, const uint8_t *w, int64_t row_bytes,
                                                               int64_t k, void *out, int64_t ldo, int bf16)
 {
-    __attribute__((aligned(64))) float buf[WR][QK];
     __m512 acc[XR][WR];
     for (int i = 0; i < XR; ++i)
         for (int c = 0; c < WR; ++c)
             acc[i][c] = _mm512_setzero_ps();
+    float scale[WR][16], minimum[WR][8];
     for (int64_t j = 0; j < k; j += values) {
         const int64_t at = (j / values) * bytes;
         for (int c = 0; c < wr; ++c) {
             for (int64_t line = 0; line < bytes; line += 64) /* every line of the row's stream, AHEAD bytes on */
                 __builtin_prefetch(w + c * row_bytes + at + AHEAD + line, 0, 0);
-            dequantize_block_avx512(format, w + c * row_bytes + at, buf[c]);
+            block_scales(format, w + c * row_bytes + at, scale[c], minimum[c]);
         }
-        for (int64_t v = 0; v < values; v += 16) {
+        for (int s = 0; s < values / 16; ++s) {
             __m512 wv[WR];
             for (int c = 0; c < wr; ++c)
-                wv[c] = _mm512_load_ps(buf[c] + v);
+                wv[c] = block_slice(format, w + c * row_bytes + at, s, scale[c], minimum[c]);
             for (int i = 0; i < xr; ++i) {
-                const __m512 xv = _mm512_loadu_ps(x + i * k + j + v);
+                const __m512 xv = _mm512_loadu_ps(x + i * k + j + 16 * s);
                 for (int c = 0; c < wr; ++c)
                     acc[i][c] = _mm512_fmadd_ps(xv, wv[c], acc[i][c]);
             }
@@ -453,7 +437,7 @@ static inline __attribute__((always_inline)) void tile_chunks(const int format, 
             for (int64_t line = 0; line < chunk / values * bytes; line += 64)
                 __builtin_prefetch(row + AHEAD + line, 0, 0);
             for (int64_t b = 0; b < chunk / values; ++b)
-                dequantize_block_avx512(format, row + b * bytes, buf[c] + b * values);
+                dequantize_block_avx512(format, values, row + b * bytes, buf[c] + b * values);
         }
         for (int64_t i = 0; i < m; i += XR) {
             const int xr = m - i < XR ? (int)(m - i) : XR;
