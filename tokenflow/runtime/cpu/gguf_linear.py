@@ -3,7 +3,7 @@
 Why: llama.cpp and ollama users run Q4_K_M / Q8_0 files as they are; dequantising them at load multiplies
 their memory by 4–7 (fp32) and the bytes every decode step reads. Here the ggml blocks stay the weights
 (`gguf_blocks.c`): a decode step's few rows are multiplied with four weight rows at a time dequantised in
-cache, so memory holds the file's bytes and a step reads them once; a prefill chunk's many rows dequantise
+registers, so memory holds the file's bytes and a step reads them once; a prefill chunk's many rows dequantise
 the weight into a scratch and run oneDNN's product on it, where the arithmetic, not the bytes, is the cost.
 
 Formats: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (what Q4_K_M / Q5_K_M / Q8_0 files hold), and the
