@@ -8,8 +8,9 @@
  * - gguf_dequantize: rows into floats (fp32 or bf16, round to nearest even), for a prefill chunk's product
  *   (oneDNN on the dequantised weight), an embedding's rows, and the tests.
  * - gguf_few_rows: y = x W^T for the few rows of a decode step. Threads split the weight rows four at a time;
- *   block by block, the four rows are dequantised into fp32 in an L1 buffer and multiplied there with the input
- *   rows (up to four: 16 accumulators in registers; more: groups of four over each dequantised chunk).
+ *   up to four input rows, the four weight rows' blocks are dequantised 16 values at a time in registers and
+ *   multiplied as they come (16 accumulators); more input rows, each chunk of the weight rows is dequantised once
+ *   into an L1 buffer and groups of four input rows run over it.
  *
  * Formats follow ggml's reference dequantisation (ggml-quants.c): value = d * q (+ offsets) per block, with
  * the K-quants' 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales.
@@ -110,27 +111,19 @@ static inline void dequantize_block(int format, const uint8_t *b, float *restric
         break;
     }
     case Q4_0:
-    case Q4_1: {
-        const float d = half_at(b);
-        const float m = format == Q4_1 ? half_at(b + 2) : -8.f * d;
-        const uint8_t *q = b + (format == Q4_1 ? 4 : 2);
-        for (int i = 0; i < 16; ++i) {
-            y[i] = d * (float)(q[i] & 0xF) + m;
-            y[i + 16] = d * (float)(q[i] >> 4) + m;
-        }
-        break;
-    }
+    case Q4_1:
     case Q5_0:
-    case Q5_1: {
+    case Q5_1: { /* value i < 16: low nibble of byte i; value 16 + i: its high nibble; Q5: bit i of qh the fifth */
+        const int one = format == Q4_1 || format == Q5_1, five = format == Q5_0 || format == Q5_1;
         const float d = half_at(b);
-        const float m = format == Q5_1 ? half_at(b + 2) : -16.f * d;
-        const uint8_t *h = b + (format == Q5_1 ? 4 : 2);
-        uint32_t high;
-        memcpy(&high, h, sizeof high);
-        const uint8_t *q = h + 4;
+        const float m = one ? half_at(b + 2) : (five ? -16.f : -8.f) * d;
+        uint32_t high = 0;
+        if (five)
+            memcpy(&high, b + 2 + 2 * one, sizeof high);
+        const uint8_t *q = b + 2 + 2 * one + 4 * five;
         for (int i = 0; i < 16; ++i) {
-            const int lo = (q[i] & 0xF) | (int)(((high >> i) << 4) & 0x10);
-            const int hi = (q[i] >> 4) | (int)((high >> (i + 12)) & 0x10);
+            const int lo = (q[i] & 0xF) | (int)(((high >> i) & 1) << 4);
+            const int hi = (q[i] >> 4) | (int)(((high >> (i + 16)) & 1) << 4);
             y[i] = d * (float)lo + m;
             y[i + 16] = d * (float)hi + m;
         }
@@ -286,11 +279,9 @@ static inline __attribute__((always_inline)) void dequantize_block_avx512(const 
 }
 #endif
 
-/* One row of k values (a whole number of blocks) into fp32. */
-static void dequantize_row(int format, const uint8_t *row, int64_t k, float *restrict y)
+/* One row of k values (a whole number of blocks of `values` values in `bytes` bytes) into fp32. */
+static void dequantize_row(int format, int64_t values, int64_t bytes, const uint8_t *row, int64_t k, float *restrict y)
 {
-    int64_t values, bytes;
-    gguf_block_shape(format, &values, &bytes);
     if (format == F32) {
         memcpy(y, row, sizeof(float) * (size_t)k);
         return;
@@ -321,10 +312,10 @@ int gguf_dequantize(int format, const uint8_t *w, int64_t row_bytes, int64_t k, 
         for (int64_t r = 0; r < count; ++r) {
             const uint8_t *src = w + (ids ? ids[r] : r) * row_bytes;
             if (!out_bf16) {
-                dequantize_row(format, src, k, (float *)out + r * k);
+                dequantize_row(format, values, bytes, src, k, (float *)out + r * k);
                 continue;
             }
-            dequantize_row(format, src, k, row);
+            dequantize_row(format, values, bytes, src, k, row);
             uint16_t *dst = (uint16_t *)out + r * k;
 #pragma omp simd
             for (int64_t j = 0; j < k; ++j)
@@ -346,18 +337,23 @@ int gguf_few_rows_available(void)
 
 #if defined(__AVX512F__)
 
-/* Stores the sums acc[i][c] of input row i and weight row c into out[i * ldo + c], rounded to bf16 where `bf16`. */
+/* The sum of `acc`'s lanes into out[at], rounded to bf16 where `bf16`. */
+static inline void store_sum(__m512 acc, void *out, int64_t at, int bf16)
+{
+    const float s = _mm512_reduce_add_ps(acc);
+    if (bf16)
+        ((uint16_t *)out)[at] = float_to_bf16(s);
+    else
+        ((float *)out)[at] = s;
+}
+
+/* Stores the sums acc[i][c] of input row i and weight row c into out[i * ldo + c]. */
 static inline __attribute__((always_inline)) void store_sums(const int xr, const int wr, __m512 acc[XR][WR], void *out,
                                                              int64_t ldo, int bf16)
 {
     for (int i = 0; i < xr; ++i)
-        for (int c = 0; c < wr; ++c) {
-            const float s = _mm512_reduce_add_ps(acc[i][c]);
-            if (bf16)
-                ((uint16_t *)out)[i * ldo + c] = float_to_bf16(s);
-            else
-                ((float *)out)[i * ldo + c] = s;
-        }
+        for (int c = 0; c < wr; ++c)
+            store_sum(acc[i][c], out, i * ldo + c, bf16);
 }
 
 /* Rows x[0 .. xr] (fp32, k apart) times weight rows 0 .. wr starting at `w` (`row_bytes` apart, `format`): the wr
@@ -452,13 +448,8 @@ static inline __attribute__((always_inline)) void tile_chunks(const int format, 
         }
     }
     for (int64_t i = 0; i < m; ++i)
-        for (int c = 0; c < wr; ++c) {
-            const float s = _mm512_reduce_add_ps(sums[i * WR + c]);
-            if (bf16)
-                ((uint16_t *)out)[i * ldo + c] = float_to_bf16(s);
-            else
-                ((float *)out)[i * ldo + c] = s;
-        }
+        for (int c = 0; c < wr; ++c)
+            store_sum(sums[i * WR + c], out, i * ldo + c, bf16);
 }
 
 /* tile_blocks (up to XR input rows: xr and wr known at compile time, the sums in registers) or tile_chunks (more
