@@ -155,6 +155,24 @@ def _width_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Mo
     qkv[:, q_end:k_end] = k_norm(qkv[:, q_end:k_end])
 
 
+def _float_linears(w: LayerWeights, pack: bool, few_rows: bool, post_ops: bool
+                   ) -> tuple[Linear, Linear, Linear, Linear, tuple[PackedLinear, PackedGatedMLP] | None]:
+    """A layer's QKV, o, gate+up and down linears over its float weights, and oneDNN's post-op forms of the output
+    projection and the MLP where they apply (they add the residual to the projection itself: not where a norm
+    comes between)."""
+    _, attention_out, _, mlp_out = w.norms
+    qkv = _linear(w.qkv, w.qkv_bias, pack, few_rows)
+    fused_ops = _post_op_layer(w, pack) if post_ops and attention_out is None and mlp_out is None else None
+    if fused_ops is None:
+        o, gate_up, down = (_linear(x, None, pack, few_rows) for x in (w.o, w.gate_up, w.down))
+        return qkv, o, gate_up, down, None
+    o_residual, packed_mlp = fused_ops  # the few-rows kernel in front of the post-ops' packed weights (no third copy)
+    o, gate_up, down = ((few_rows and few_rows_linear(x, None, fallback)) or fallback
+                        for x, fallback in ((w.o, o_residual), (w.gate_up, packed_mlp.gate_up),
+                                            (w.down, packed_mlp.down)))
+    return qkv, o, gate_up, down, fused_ops
+
+
 def _stacked_linears(parts: LayerLinears) -> tuple[Linear, Linear, Linear, Linear]:
     """A GGUF layer's QKV, o, gate+up and down linears over its modules."""
     scale = parts.residual_multiplier
@@ -240,34 +258,23 @@ class FusedDecoder:
         self.head_dim = base.layers[0].self_attn.head_dim
         self.layers: list[_Layer] = []
         for layer in base.layers:
-            # one layer's concatenations at a time: the linears pack copies of their own
-            # GGUF's blocks are not concatenated (Q, K and V may be in different formats): the modules run
-            w = layer_linears(layer, family) if quantized else layer_weights(layer, family)
+            w: LayerLinears | LayerWeights
+            if quantized:  # GGUF's blocks are not concatenated (Q, K and V may be in different formats)
+                w = layer_linears(layer, family)
+                (qkv, o, gate_up, down), fused_ops = _stacked_linears(w), None
+            else:  # one layer's concatenations at a time: the linears pack copies of their own
+                w = layer_weights(layer, family)
+                qkv, o, gate_up, down, fused_ops = _float_linears(w, pack, few_rows, post_ops)
             attention_in, attention_out, mlp_in, mlp_out = w.norms
-            # the post-op forms add the residual to the projection itself: not where a norm comes between
-            fused_ops = None
-            if isinstance(w, LayerWeights) and post_ops and attention_out is None and mlp_out is None:
-                fused_ops = _post_op_layer(w, pack)
-            if isinstance(w, LayerLinears):
-                qkv, o, gate_up, down = _stacked_linears(w)
-            elif fused_ops is None:
-                qkv = _linear(w.qkv, w.qkv_bias, pack, few_rows)
-                o, gate_up, down = (_linear(x, None, pack, few_rows) for x in (w.o, w.gate_up, w.down))
-            else:  # the few-rows kernel in front of the post-ops' packed weights (no third copy)
-                qkv = _linear(w.qkv, w.qkv_bias, pack, few_rows)
-                o_residual, packed_mlp = fused_ops
-                o, gate_up, down = ((few_rows and few_rows_linear(x, None, fallback)) or fallback
-                                    for x, fallback in ((w.o, o_residual), (w.gate_up, packed_mlp.gate_up),
-                                                        (w.down, packed_mlp.down)))
             self.layers.append(_Layer(
                 input_norm=attention_in, qkv=qkv, o=o, post_norm=mlp_in, gate_up=gate_up, down=down,
                 scale=float(layer.self_attn.scaling), q_norm=w.q_norm, k_norm=w.k_norm,
                 attention_out_norm=attention_out, mlp_out_norm=mlp_out,
                 o_residual=fused_ops and fused_ops[0], mlp=fused_ops and fused_ops[1],
             ))
-        self.intermediate = w.down.in_features if isinstance(w, LayerLinears) else w.down.shape[1]
-        qkv_width = sum(p.out_features for p in w.qkv) if isinstance(w, LayerLinears) else w.qkv.shape[0]
-        self.num_kv_heads = (qkv_width // self.head_dim - self.num_heads) // 2
+        modules = layer_linears(base.layers[-1], family)
+        self.intermediate = modules.down.in_features
+        self.num_kv_heads = (sum(p.out_features for p in modules.qkv) // self.head_dim - self.num_heads) // 2
         # the few-rows kernel's linears, kept here: callers may wrap the layers' callables (bench-step --parts)
         self._few_rows = [f for f in self.linears().values() if isinstance(f, FewRowsLinear)]
         self.post_ops_on = True  # steps of more rows than the few-rows kernel takes run the post-op forms

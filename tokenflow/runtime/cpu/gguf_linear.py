@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tokenflow.runtime.cpu.native_kernels import FLAGS, load_library
 
@@ -27,13 +27,16 @@ __all__ = ("DENSE_FORMATS", "FORMATS", "GGUFKernels", "QuantizedEmbedding", "Qua
            "StackedLinear", "load_gguf_kernels", "placeholder", "weight_supported")
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
-# ggml type id -> (name, values per block, bytes per block): the formats gguf_blocks.c reads
+# The ggml types gguf_blocks.c reads -> (name, values per block, bytes per block), from the gguf package's table
 FORMATS: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
+    int(t): (t.name, *GGML_QUANT_SIZES[t])
+    for t in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q4_0,
+              GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+              GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+              GGMLQuantizationType.Q6_K)
 }
-DENSE_FORMATS = frozenset({0, 1, 30})  # F32, F16, BF16: loaded as plain tensors (`gguf_model.py`), not kept as blocks
+# loaded as plain tensors (`gguf_model.py`), not kept as blocks
+DENSE_FORMATS = frozenset(int(GGMLQuantizationType[name]) for name in ("F32", "F16", "BF16"))
 # Up to this many rows a product runs gguf_few_rows (the weight's bytes stream once); above, the weight is
 # dequantised into a scratch for oneDNN's product (the rows' arithmetic dominates)
 FEW_ROWS = 16
@@ -62,10 +65,6 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
-
-    def rows(self, start: int, stop: int) -> QuantizedWeight:
-        """Rows start .. stop (a view: no copy)."""
-        return QuantizedWeight(self.data[start:stop], self.format, stop - start, self.k)
 
 
 def weight_supported(format: int, k: int) -> bool:
@@ -154,12 +153,15 @@ class QuantizedLinear(torch.nn.Linear):
         rows = x.reshape(-1, self.in_features)
         if rows.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"GGUF linears take bf16 or fp32 activations, got {rows.dtype}")
-        rows = rows.contiguous()
         out = torch.empty((rows.shape[0], self.out_features), dtype=rows.dtype)
+        self.into(rows.contiguous(), out)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def into(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """`out = rows @ W^T + bias` for contiguous 2-D `rows` (`out` may be columns of a wider tensor)."""
         _product(self.kernels, rows, self.quantized, out)
         if self.bias is not None:
             out += self.bias
-        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{self.quantized.format_name}, in_features={self.in_features}, out_features={self.out_features}"
@@ -185,9 +187,7 @@ class StackedLinear:
         out = torch.empty((rows.shape[0], self.width), dtype=rows.dtype)
         for part, (start, stop) in zip(self.parts, self.bounds, strict=True):
             if isinstance(part, QuantizedLinear):
-                _product(part.kernels, rows, part.quantized, out[:, start:stop])
-                if part.bias is not None:
-                    out[:, start:stop] += part.bias
+                part.into(rows, out[:, start:stop])
             else:
                 out[:, start:stop] = part(rows)
         if self.scale != 1.0:
@@ -214,11 +214,6 @@ class QuantizedEmbedding(torch.nn.Embedding):
 
     def extra_repr(self) -> str:
         return f"{self.quantized.format_name}, {self.num_embeddings}, {self.embedding_dim}"
-
-
-def dense_product(x: torch.Tensor, weight: QuantizedWeight, kernels: GGUFKernels) -> torch.Tensor:
-    """`x @ W^T` through the dequantised weight (tests: the reference for the few-rows kernel)."""
-    return F.linear(x, kernels.dequantize(weight, x.dtype))
 
 
 @functools.cache
