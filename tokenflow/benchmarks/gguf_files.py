@@ -15,13 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ("GGUF_QUANT_TYPES", "GGUF_TYPES", "gguf_for", "llamacpp_binary")
+__all__ = ("GGUF_QUANT_TYPES", "GGUF_TYPES", "gguf_for", "gguf_of_model", "llamacpp_binary")
 
 # the bench's dtype (or a GGUF type) -> the converter's --outtype, or the llama-quantize type
 GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32", "bf16": "bf16", "f32": "f32", "q8_0": "q8_0",
               "q4_k_m": "Q4_K_M", "q6_k": "Q6_K", "q4_0": "Q4_0"}
 _CONVERTER_TYPES = {"bf16", "f32", "q8_0"}
-GGUF_QUANT_TYPES = frozenset({"q8_0", "q4_k_m", "q6_k", "q4_0"})  # the quantised ones: tokenflow runs the file too
+# the quantised ones: tokenflow runs the file too
+GGUF_QUANT_TYPES = frozenset(kind for kind, gguf_type in GGUF_TYPES.items() if gguf_type not in ("bf16", "f32"))
 
 
 def _peer_dir() -> Path:
@@ -74,6 +75,13 @@ def gguf_for(folder: Path, kind: str) -> Path:
             _run([llamacpp_binary("llama-quantize"), str(gguf_for(folder, "bf16")), str(out), gguf_type])
 
     return ensure_folder(dest, key, build, meta={"gguf_type": gguf_type}) / "model.gguf"
+
+
+def gguf_of_model(model: str | None, kind: str) -> Path:
+    """`gguf_for` of what `model` resolves to (an alias, a folder, None: the embedded model)."""
+    from tokenflow.hub import resolve_model
+
+    return gguf_for(resolve_model(model).path, kind)
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:

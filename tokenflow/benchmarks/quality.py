@@ -29,6 +29,7 @@ from typing import Any
 
 import anyio
 
+from tokenflow.benchmarks.gguf_files import gguf_of_model
 from tokenflow.kv.prefix_cache import common_prefix
 
 __all__ = ("VARIANTS", "add_arguments", "common_prefix", "run_bench_quality")
@@ -94,11 +95,11 @@ def run_bench_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
     for name in ["fp32", *[n for n in names if n != "fp32"]]:  # fp32 first: the reference
         settings = dict(VARIANTS[name])
         gguf_kind = settings.pop("gguf", None)
-        model = str(_gguf_file(args.model, gguf_kind)) if gguf_kind else args.model
+        model = str(gguf_of_model(args.model, gguf_kind)) if gguf_kind else args.model
         results[name] = anyio.run(_measure, model, settings, windows, args.max_tokens)
         if args.llamacpp and (gguf_kind or name == "bf16"):
             results[name]["llamacpp_perplexity"] = llamacpp_perplexity(
-                _gguf_file(args.model, gguf_kind or "bf16"), Path(args.text), args.window, len(windows))
+                gguf_of_model(args.model, gguf_kind or "bf16"), Path(args.text), args.window, len(windows))
     reference = results["fp32"]
     rows = []
     bf16 = results["bf16"]["perplexity"] if "bf16" in results else None
@@ -119,14 +120,6 @@ def run_bench_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
         Path(args.json_out).write_text(json.dumps({"rows": rows, "compression": compression, "args": vars(args),
                                                    "started": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     return rows
-
-
-def _gguf_file(model: str | None, kind: str) -> Path:
-    """The GGUF of `kind` of `model`'s folder, made once by llama.cpp's tools (`gguf_files.py`)."""
-    from tokenflow.benchmarks.gguf_files import gguf_for
-    from tokenflow.hub import resolve_model
-
-    return gguf_for(resolve_model(model).path, kind)
 
 
 def llamacpp_perplexity(gguf_file: Path, text: Path, window: int, chunks: int) -> float:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenflow.benchmarks.clients import run_workload, summarise, warmup_prompt
-from tokenflow.benchmarks.gguf_files import GGUF_QUANT_TYPES, gguf_for, llamacpp_binary
+from tokenflow.benchmarks.gguf_files import GGUF_QUANT_TYPES, gguf_for, gguf_of_model, llamacpp_binary
 from tokenflow.benchmarks.model_shapes import MODEL_SHAPES, model_shape_folder
 
 __all__ = ("ENGINE_VARIANTS", "add_arguments", "make_conversations", "make_workload", "run_bench")
@@ -317,9 +317,7 @@ class _Runner:
         else:
             model, run_dtype = args.model, dtype
             if dtype.lower() in GGUF_QUANT_TYPES:  # tokenflow runs the very file llama-server runs, bf16 activations
-                from tokenflow.hub import resolve_model
-
-                model, run_dtype = str(gguf_for(resolve_model(args.model).path, dtype)), "auto"
+                model, run_dtype = str(gguf_of_model(args.model, dtype)), "auto"
             cmd = [sys.executable, "-m", "tokenflow", "bench", "--worker", engine, "--workload-file", str(workload),
                    "--dtype", run_dtype, "--max-tokens", str(args.max_tokens), "--max-num-seqs",
                    str(args.max_num_seqs), "--log-level", "warning"]

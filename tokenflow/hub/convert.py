@@ -71,13 +71,9 @@ def write_gguf_metadata(gguf_path: Path, out_dir: Path) -> None:
             f"transformers could not read the GGUF file {gguf_path}: {exc}. Only GGUF architectures that "
             "transformers supports can be loaded; pass a Hugging Face model folder instead."
         ) from exc
-    template = tokenizer.chat_template or gguf_chat_template(gguf_path)
-    if template and not tokenizer.chat_template:
-        tokenizer.chat_template = template
+    template = _carry_chat_template(tokenizer, gguf_path)
     config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    if template:
-        _ensure_chat_template(out_dir, template)
+    _save_tokenizer(tokenizer, template, out_dir)
 
 
 def announce_dequantisation(gguf_path: Path) -> None:
@@ -121,16 +117,26 @@ def _convert(gguf_path: Path, out_dir: Path, bar: StageBar) -> None:
                 "pass a Hugging Face model folder instead."
             ) from exc
         _detach_quantizer(model, torch.float32)
-        template = tokenizer.chat_template or gguf_chat_template(gguf_path)
-        if template and not tokenizer.chat_template:
-            tokenizer.chat_template = template
+        template = _carry_chat_template(tokenizer, gguf_path)
 
     with bar.stage("save"):
         model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
         del model
-        if template:
-            _ensure_chat_template(out_dir, template)
+        _save_tokenizer(tokenizer, template, out_dir)
+
+
+def _carry_chat_template(tokenizer: Any, gguf_path: Path) -> str | None:
+    """The chat template, set on `tokenizer` from the GGUF's metadata where transformers' loader dropped it."""
+    template = tokenizer.chat_template or gguf_chat_template(gguf_path)
+    if template and not tokenizer.chat_template:
+        tokenizer.chat_template = template
+    return template
+
+
+def _save_tokenizer(tokenizer: Any, template: str | None, out_dir: Path) -> None:
+    tokenizer.save_pretrained(out_dir)
+    if template:
+        _ensure_chat_template(out_dir, template)
 
 
 def _detach_quantizer(model: Any, dtype: Any) -> None:

