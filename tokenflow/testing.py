@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ("GGUF_SPECIALS", "TINY_CHAT_TEMPLATE", "add_byte_tokenizer", "build_tiny_model", "gguf_byte_vocabulary",
-           "random_ggml_blocks", "tiny_config", "write_tiny_gguf")
+__all__ = ("GGUF_SPECIALS", "TINY_CHAT_TEMPLATE", "add_byte_tokenizer", "add_gguf_architecture", "build_tiny_model",
+           "gguf_byte_vocabulary", "random_ggml_blocks", "tiny_config", "write_tiny_gguf")
 
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -157,6 +157,20 @@ def add_byte_tokenizer(writer: Any, chat_template: str | None = TINY_CHAT_TEMPLA
     return len(tokens)
 
 
+def add_gguf_architecture(writer: Any, config: Any, rms_eps: float) -> None:
+    """A decoder's shapes as a GGUF's architecture metadata (what transformers reads back into a config)."""
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(rms_eps)
+    writer.add_vocab_size(config.vocab_size)
+
+
 def write_tiny_gguf(path: str | Path, tokenizer_gguf: str | Path | None = None, arch: str = "qwen3",
                     formats: tuple[str, ...] = ("Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q4_0", "Q5_K", "Q4_1", "Q5_1"),
                     seed: int = 0) -> Path:
@@ -177,18 +191,9 @@ def write_tiny_gguf(path: str | Path, tokenizer_gguf: str | Path | None = None, 
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in AutoModelForCausalLM.from_config(config).named_parameters()}
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_gguf_architecture(writer, config, rms_eps=1e-6)
     writer.add_key_length(128)
     writer.add_value_length(128)
-    writer.add_rope_dimension_count(128)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_vocab_size(vocab_size)
     if source is None:
         add_byte_tokenizer(writer)
     for key, field in source.fields.items() if source else ():

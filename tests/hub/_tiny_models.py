@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenflow.testing import TINY_CHAT_TEMPLATE as CHAT_TEMPLATE
-from tokenflow.testing import add_byte_tokenizer, gguf_byte_vocabulary
+from tokenflow.testing import add_byte_tokenizer, add_gguf_architecture, gguf_byte_vocabulary, tiny_config
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 
@@ -58,17 +58,12 @@ def make_gguf(path: Path, *, chat_template: str | None = CHAT_TEMPLATE, seed: in
 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
-    writer.add_context_length(128)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(LAYERS)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    vocab_size = add_byte_tokenizer(writer, chat_template)
-    writer.add_vocab_size(vocab_size)
+    vocab_size = len(gguf_byte_vocabulary())
+    add_gguf_architecture(writer, tiny_config("llama", vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=FFN,
+                                              num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                              num_key_value_heads=KV_HEADS, max_position_embeddings=128),
+                          rms_eps=1e-5)
+    add_byte_tokenizer(writer, chat_template)
 
     kv_dim = HIDDEN // HEADS * KV_HEADS
     writer.add_tensor("token_embd.weight", rand(vocab_size, HIDDEN))

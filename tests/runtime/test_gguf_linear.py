@@ -19,32 +19,20 @@ from tokenflow.runtime.cpu.gguf_linear import (
     StackedLinear,
     load_gguf_kernels,
 )
+from tokenflow.testing import random_ggml_blocks
 
 kernels = load_gguf_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler (or another OpenMP runtime) here")
 
-# the byte offsets of each block's fp16 scale fields (random bytes there could be NaN or huge)
-_HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-                "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
 def random_blocks(format: int, n: int, k: int, seed: int = 0) -> QuantizedWeight:
-    """A `[n, k]` weight of random blocks of `format` (every code and sub-block scale random; the fp16 scales
-    small, as a trained model's)."""
-    name, values, nbytes = FORMATS[format]
-    rng = np.random.default_rng(seed)
-    if name in ("F32", "F16", "BF16"):
-        w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+    """A `[n, k]` weight of random blocks of `format` (`tokenflow.testing.random_ggml_blocks`; the dense formats
+    random normal values)."""
+    name = FORMATS[format][0]
+    if format in DENSE_FORMATS:
+        w = torch.from_numpy(np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05)
         dense = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
-        data = w.to(dense).view(torch.uint8).reshape(n, -1)
-        return QuantizedWeight(data.contiguous(), format, n, k)
-    blocks = rng.integers(0, 256, size=(n, k // values, nbytes), dtype=np.uint8)
-    for offset in _HALF_FIELDS[name]:
-        scale = rng.uniform(0.001, 0.02, size=(n, k // values)).astype(np.float16)
-        if offset == 2 and name in ("Q4_1", "Q5_1"):  # the block's minimum, negative as a rule
-            scale = -scale * 8
-        blocks[:, :, offset:offset + 2] = scale.view(np.uint8).reshape(n, k // values, 2)
-    return QuantizedWeight(torch.from_numpy(blocks.reshape(n, -1)), format, n, k)
+        return QuantizedWeight(w.to(dense).view(torch.uint8).reshape(n, -1).contiguous(), format, n, k)
+    return QuantizedWeight(torch.from_numpy(random_ggml_blocks(name, n, k, seed)), format, n, k)
 
 
 def reference(weight: QuantizedWeight) -> torch.Tensor:
