@@ -99,6 +99,24 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *scale, int *min)
     }
 }
 
+/* A Q4_0 / Q4_1 / Q5_0 / Q5_1 block's parts: value = d * q + m, q's low four bits at `codes` (value i < 16: the
+ * low nibble of byte i, value 16 + i: its high nibble), the fifth bit of value i bit i of `high` (Q5 only). */
+typedef struct {
+    float d, m;
+    uint32_t high;
+    const uint8_t *codes;
+} LegacyBlock;
+
+static inline LegacyBlock legacy_block(int format, const uint8_t *b)
+{
+    const int one = format == Q4_1 || format == Q5_1, five = format == Q5_0 || format == Q5_1;
+    LegacyBlock block = {half_at(b), 0.f, 0, b + 2 + 2 * one + 4 * five};
+    block.m = one ? half_at(b + 2) : (five ? -16.f : -8.f) * block.d;
+    if (five)
+        memcpy(&block.high, b + 2 + 2 * one, sizeof block.high);
+    return block;
+}
+
 /* One block of `format` at `b` into `y` (the block's values, fp32). */
 static inline void dequantize_block(int format, const uint8_t *b, float *restrict y)
 {
@@ -113,19 +131,13 @@ static inline void dequantize_block(int format, const uint8_t *b, float *restric
     case Q4_0:
     case Q4_1:
     case Q5_0:
-    case Q5_1: { /* value i < 16: low nibble of byte i; value 16 + i: its high nibble; Q5: bit i of qh the fifth */
-        const int one = format == Q4_1 || format == Q5_1, five = format == Q5_0 || format == Q5_1;
-        const float d = half_at(b);
-        const float m = one ? half_at(b + 2) : (five ? -16.f : -8.f) * d;
-        uint32_t high = 0;
-        if (five)
-            memcpy(&high, b + 2 + 2 * one, sizeof high);
-        const uint8_t *q = b + 2 + 2 * one + 4 * five;
+    case Q5_1: {
+        const LegacyBlock block = legacy_block(format, b);
         for (int i = 0; i < 16; ++i) {
-            const int lo = (q[i] & 0xF) | (int)(((high >> i) & 1) << 4);
-            const int hi = (q[i] >> 4) | (int)(((high >> (i + 16)) & 1) << 4);
-            y[i] = d * (float)lo + m;
-            y[i + 16] = d * (float)hi + m;
+            const int lo = (block.codes[i] & 0xF) | (int)(((block.high >> i) & 1) << 4);
+            const int hi = (block.codes[i] >> 4) | (int)(((block.high >> (i + 16)) & 1) << 4);
+            y[i] = block.d * (float)lo + block.m;
+            y[i + 16] = block.d * (float)hi + block.m;
         }
         break;
     }
@@ -231,18 +243,13 @@ static inline __attribute__((always_inline)) __m512 block_slice(const int format
     case Q4_0:
     case Q4_1:
     case Q5_0:
-    case Q5_1: { /* value i < 16: low nibble of byte i; value 16 + i: its high nibble; Q5: bit i of qh the fifth */
-        const int one = format == Q4_1 || format == Q5_1, five = format == Q5_0 || format == Q5_1;
-        const float d = half_at(b);
-        const float m = one ? half_at(b + 2) : (five ? -16.f : -8.f) * d;
-        const __m512i raw = bytes16(b + 2 + 2 * one + 4 * five);
+    case Q5_1: {
+        const LegacyBlock block = legacy_block(format, b);
+        const __m512i raw = bytes16(block.codes);
         __m512i q = s == 0 ? _mm512_and_si512(raw, low4) : _mm512_srli_epi32(raw, 4);
-        if (five) {
-            uint32_t high;
-            memcpy(&high, b + 2 + 2 * one, sizeof high);
-            q = _mm512_mask_add_epi32(q, (__mmask16)(s == 0 ? high & 0xFFFF : high >> 16), q, _mm512_set1_epi32(16));
-        }
-        return _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q), _mm512_set1_ps(m));
+        const __mmask16 fifth = (__mmask16)(s == 0 ? block.high & 0xFFFF : block.high >> 16); /* 0 for Q4 */
+        q = _mm512_mask_add_epi32(q, fifth, q, _mm512_set1_epi32(16));
+        return _mm512_fmadd_ps(_mm512_set1_ps(block.d), _mm512_cvtepi32_ps(q), _mm512_set1_ps(block.m));
     }
     case Q4_K:
     case Q5_K: { /* 64 values per 32 bytes: the low nibbles are sub-block 2 j, the high ones sub-block 2 j + 1 */
