@@ -86,10 +86,12 @@ def _randomize_norms(folder) -> None:
 
 
 # qwen3: per-head Q/K norms; phi3: Q, K, V and gate/up stored as single projections; granite: embedding, residual,
-# attention and logit multipliers; olmo2: norms on the sublayers' outputs and over all of Q and K; gemma: not a
-# family the fused layers run (its HF modules)
+# attention and logit multipliers; olmo2: norms on the sublayers' outputs and over all of Q and K; gemma: (1 + w)
+# norms in fp32, GELU, scaled embeddings; gemma3: also norms on both sides of each sublayer, per-head Q/K norms,
+# a RoPE per layer type and query_pre_attn_scalar; phi: not a family the fused layers run (its HF modules)
 @pytest.mark.parametrize(("arch", "fused"), [("qwen2", True), ("qwen3", True), ("mistral", True), ("phi3", True),
-                                             ("granite", True), ("olmo2", True), ("gemma", False)])
+                                             ("granite", True), ("olmo2", True), ("gemma", True), ("gemma3", True),
+                                             ("phi", False)])
 async def test_paged_greedy_on_other_architectures(tmp_path, arch, fused) -> None:
     from tokenflow.testing import build_tiny_model
 

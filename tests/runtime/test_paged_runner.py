@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
@@ -56,6 +57,8 @@ MODELS: dict[str, Callable[[], PreTrainedModel]] = {
     "phi3": lambda: Phi3ForCausalLM(Phi3Config(**COMMON, pad_token_id=0)),
     "granite": lambda: GraniteForCausalLM(tiny_config("granite", **COMMON)),
     "olmo2": lambda: Olmo2ForCausalLM(tiny_config("olmo2", **COMMON)),
+    "gemma": lambda: AutoModelForCausalLM.from_config(tiny_config("gemma", **COMMON)),
+    "gemma3": lambda: AutoModelForCausalLM.from_config(tiny_config("gemma3", **COMMON)),
 }
 
 
@@ -177,14 +180,15 @@ def test_bf16_cpu_kernels_is_transformers_eager_arithmetic(
     assert compared == 12 and all(s.cached == len(t) for s, t in zip(seqs, full))  # 1 + 3 + 8 rows
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "olmo2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "olmo2", "gemma",
+                                  "gemma3"])
 def test_greedy_matches_generate(name: str) -> None:
     model = build(name)
     ref = copy.deepcopy(model)
     runner, pool = make_runner(model)
     assert runner.fused is not None  # every family here runs on the fused layers
-    if name == "olmo2":  # its norm placement runs in the Python loop only (the C loop is Llama's placement)
-        assert runner.fused.native_layers is None
+    if name in ("olmo2", "gemma", "gemma3"):  # their norms and GELU run in the Python loop only (the C loop is
+        assert runner.fused.native_layers is None  # Llama's placement, norms and SiLU)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
     new = 10

@@ -70,10 +70,11 @@ async def test_int8_blocks_never_share_keys_with_float_ones(tiny_model, tmp_path
         assert engine.ctx.model_key != plain  # a disk or Redis tier never serves one's KV to the other
 
 
-@pytest.mark.parametrize("arch", ["phi3", "granite", "olmo2"])
+@pytest.mark.parametrize("arch", ["phi3", "granite", "olmo2", "gemma3"])
 async def test_int8_runs_every_fused_family(arch, tmp_path, monkeypatch) -> None:
-    """Other families' weight names (Phi-3's single QKV projection), folded multipliers (Granite) and norms on
-    the sublayers' outputs (OLMo2) quantise and serve close to their float selves."""
+    """Other families' weight names (Phi-3's single QKV projection), folded multipliers (Granite), norms on
+    the sublayers' outputs (OLMo2) and Gemma's (1 + w) norms and GELU quantise and serve close to their float
+    selves."""
     from tokenflow.testing import build_tiny_model
 
     monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
@@ -92,9 +93,9 @@ async def test_models_the_int8_layers_cannot_run_are_refused(tmp_path, monkeypat
     from tokenflow.testing import build_tiny_model
 
     monkeypatch.setenv("TOKENFLOW_HOME", str(tmp_path))
-    gemma = build_tiny_model(tmp_path / "gemma", arch="gemma")  # not a family the fused layers run
+    phi = build_tiny_model(tmp_path / "phi", arch="phi")  # not a family the fused layers run (parallel blocks)
     with pytest.raises(ModelLoadError, match="int8"):
-        async with Engine(gemma, quantization="int8"):
+        async with Engine(phi, quantization="int8"):
             pass
 
 

@@ -20,13 +20,14 @@ their HF modules.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from tokenflow.runtime.attention.paged import PagedAttentionMetadata
+from tokenflow.runtime.attention.paged import PagedAttentionMetadata, UnsupportedAttentionFeature
 from tokenflow.runtime.cpu.decode_layers import DecodeLayerWeights, NativeDecodeLayers
 from tokenflow.runtime.cpu.few_rows_linear import FEW_ROWS, FewRowsLinear, few_rows_linear
 from tokenflow.runtime.cpu.gguf_linear import QuantizedLinear, StackedLinear
@@ -74,6 +75,8 @@ class _Layer:
     k_norm: torch.nn.Module | None = None
     attention_out_norm: Norm | None = None  # OLMo2: on the output projection, before the residual add
     mlp_out_norm: Norm | None = None  # OLMo2: on the down projection, before the residual add
+    activation: torch.nn.Module | None = None  # Gemma's GELU, called on the gate; None: SiLU
+    rope: str | None = None  # the layer's RoPE by its layer type, where the model has one per type (Gemma 3)
     # oneDNN's post-op forms (CPU, packed weights): the output projection with the residual add, and the MLP
     o_residual: PackedLinear | None = None
     mlp: PackedGatedMLP | None = None
@@ -102,7 +105,7 @@ def _normed_linear(linear: Linear, norm: Norm | None, x: torch.Tensor) -> torch.
     (int8's `normed`)."""
     if norm is None:
         return linear(x)
-    normed = getattr(linear, "normed", None)
+    normed = getattr(linear, "normed", None) if is_plain_rms_norm(norm) else None
     return normed(x, norm) if normed is not None else linear(norm(x))
 
 
@@ -113,23 +116,30 @@ def _add_linear(linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> torc
     return residual + linear(x)
 
 
-def _silu_product(gate_up: torch.Tensor, inter: int, native: NativeKernels | None) -> torch.Tensor:
-    """`silu(gate) * up` of `gate_up [T, 2 I]`: one native pass, or two torch ops."""
+def _gated_product(gate_up: torch.Tensor, inter: int, activation: torch.nn.Module | None,
+                   native: NativeKernels | None) -> torch.Tensor:
+    """`act(gate) * up` of `gate_up [T, 2 I]`: SiLU (`activation` None) in one native pass or two torch ops; the
+    layer's own GELU module, then the product (transformers' roundings)."""
+    if activation is not None:
+        return activation(gate_up[:, :inter]).mul_(gate_up[:, inter:])
     if native is None:
         return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
     return native.silu_mul(gate_up)
 
 
-def _gated_down(down: Linear, gate_up: torch.Tensor, inter: int, residual: torch.Tensor,
-                native: NativeKernels | None, out_norm: Norm | None = None) -> torch.Tensor:
-    """`residual + down(silu(gate) * up)` (`residual + out_norm(down(...))` with an `out_norm`): one call where the
-    linear forms the product itself (int8's `gated`), else the product and the down projection with the add."""
-    gated = getattr(down, "gated", None)
+def _gated_down(layer: _Layer, gate_up: torch.Tensor, inter: int, residual: torch.Tensor,
+                native: NativeKernels | None) -> torch.Tensor:
+    """`residual + down(act(gate) * up)` (`residual + out_norm(down(...))` with the layer's MLP out norm): one call
+    where the linear forms the SiLU product itself (int8's `gated`), else the product and the down projection with
+    the add."""
+    down, out_norm = layer.down, layer.mlp_out_norm
+    gated = getattr(down, "gated", None) if layer.activation is None else None
+    product = (lambda: _gated_product(gate_up, inter, layer.activation, native))  # noqa: E731
     if out_norm is not None:
-        return residual + out_norm(gated(gate_up) if gated is not None else down(_silu_product(gate_up, inter, native)))
+        return residual + out_norm(gated(gate_up) if gated is not None else down(product()))
     if gated is not None:
         return residual + gated(gate_up)
-    return _add_linear(down, _silu_product(gate_up, inter, native), residual)
+    return _add_linear(down, product(), residual)
 
 
 def _head_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module, heads: int, kv_heads: int,
@@ -138,7 +148,8 @@ def _head_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Mod
     norms the projections viewed as `[T, heads, D]`; the same arithmetic per head)."""
     t, d = qkv.shape[0], qkv.shape[1] // (heads + 2 * kv_heads)
     q_end = heads * d
-    if native is not None and qkv.dtype == q_norm.weight.dtype:
+    if (native is not None and qkv.dtype == q_norm.weight.dtype and is_plain_rms_norm(q_norm)
+            and is_plain_rms_norm(k_norm)):
         native.head_rms_norm_(qkv, heads, q_norm.weight, float(q_norm.variance_epsilon))
         native.head_rms_norm_(qkv[:, q_end:], kv_heads, k_norm.weight, float(k_norm.variance_epsilon))
         return
@@ -159,10 +170,11 @@ def _float_linears(w: LayerWeights, pack: bool, few_rows: bool, post_ops: bool
                    ) -> tuple[Linear, Linear, Linear, Linear, tuple[PackedLinear, PackedGatedMLP] | None]:
     """A layer's QKV, o, gate+up and down linears over its float weights, and oneDNN's post-op forms of the output
     projection and the MLP where they apply (they add the residual to the projection itself: not where a norm
-    comes between)."""
+    comes between, nor for another activation than SiLU)."""
     _, attention_out, _, mlp_out = w.norms
     qkv = _linear(w.qkv, w.qkv_bias, pack, few_rows)
-    fused_ops = _post_op_layer(w, pack) if post_ops and attention_out is None and mlp_out is None else None
+    plain = attention_out is None and mlp_out is None and w.activation is None
+    fused_ops = _post_op_layer(w, pack) if post_ops and plain else None
     if fused_ops is None:
         o, gate_up, down = (_linear(x, None, pack, few_rows) for x in (w.o, w.gate_up, w.down))
         return qkv, o, gate_up, down, None
@@ -183,9 +195,9 @@ def _stacked_linears(parts: LayerLinears) -> tuple[Linear, Linear, Linear, Linea
 
 def _native_layers(layers: list[_Layer], family: LayerFamily, native: NativeKernels | None,
                    inter: int) -> NativeDecodeLayers | None:
-    """The C loop over `layers` (`tokenflow.runtime.cpu.decode_layers`) where every one is a norm-before layer
-    (Llama's placement, per-head Q/K norms at most), runs its four linears on the few-rows kernel, and its norms
-    share one epsilon; else None."""
+    """The C loop over `layers` (`tokenflow.runtime.cpu.decode_layers`) where every one is a norm-before SiLU layer
+    (Llama's placement, per-head Q/K norms at most, one RoPE), runs its four linears on the few-rows kernel, and its
+    norms share one epsilon; else None."""
     if native is None or not layers or family.width_norms:
         return None
     weights = []
@@ -194,7 +206,8 @@ def _native_layers(layers: list[_Layer], family: LayerFamily, native: NativeKern
         linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
         if not all(isinstance(f, FewRowsLinear) for f in linears):
             return None
-        if layer.attention_out_norm is not None or layer.mlp_out_norm is not None:
+        if (layer.attention_out_norm is not None or layer.mlp_out_norm is not None or layer.activation is not None
+                or layer.rope is not None):
             return None
         head_norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else ()
         norms = [n for n in (layer.input_norm, layer.post_norm, *head_norms) if is_plain_rms_norm(n)]
@@ -212,9 +225,10 @@ def _native_layers(layers: list[_Layer], family: LayerFamily, native: NativeKern
 
 
 def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False, post_ops: bool = False,
-                      native: NativeKernels | None = None) -> FusedDecoder | None:
-    """A FusedDecoder over `model`'s weights, or None when its layers are not the shape it runs."""
-    family = family_for(model.config)
+                      native: NativeKernels | None = None, max_context: int | None = None) -> FusedDecoder | None:
+    """A FusedDecoder over `model`'s weights, or None when its layers are not the shape it runs (`max_context`:
+    the longest context the runner allows; a model-native window at least that long masks nothing)."""
+    family = family_for(model.config, max_context)
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     lm_head = getattr(model, "lm_head", None)
@@ -256,8 +270,13 @@ class FusedDecoder:
         self.greedy_head = greedy_head_for(self.lm_head, self.head_weight, int(model.config.vocab_size))
         self.num_heads = model.config.num_attention_heads
         self.head_dim = base.layers[0].self_attn.head_dim
+        # a model-native window is run only where it masks nothing (no context longer), as the HF path guards it
+        self.window: int | None = getattr(model.config, "sliding_window", None)
+        # Gemma 3's RoPE differs by layer type (its rotary module takes the type): one cos/sin per type and step
+        per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        layer_types = getattr(model.config, "layer_types", None) if per_type else None
         self.layers: list[_Layer] = []
-        for layer in base.layers:
+        for index, layer in enumerate(base.layers):
             w: LayerLinears | LayerWeights
             if quantized:  # GGUF's blocks are not concatenated (Q, K and V may be in different formats)
                 w = layer_linears(layer, family)
@@ -269,7 +288,8 @@ class FusedDecoder:
             self.layers.append(_Layer(
                 input_norm=attention_in, qkv=qkv, o=o, post_norm=mlp_in, gate_up=gate_up, down=down,
                 scale=float(layer.self_attn.scaling), q_norm=w.q_norm, k_norm=w.k_norm,
-                attention_out_norm=attention_out, mlp_out_norm=mlp_out,
+                attention_out_norm=attention_out, mlp_out_norm=mlp_out, activation=w.activation,
+                rope=layer_types[index] if layer_types else None,
                 o_residual=fused_ops and fused_ops[0], mlp=fused_ops and fused_ops[1],
             ))
         modules = layer_linears(base.layers[-1], family)
@@ -345,16 +365,14 @@ class FusedDecoder:
         """Logits `[len(logits_to_keep), vocab]` in the model's dtype for the packed step (`[1, T]` inputs);
         with `greedy` (every row samples its argmax and nothing else), the rows' tokens where the greedy
         head settles them."""
+        if self.window is not None and self.window < meta.max_context:
+            raise UnsupportedAttentionFeature(
+                f"sliding_window={self.window} (context {meta.max_context}) is not implemented by paged attention")
         h = self.embed(input_ids[0])  # [T, hidden]
         if self.embed_multiplier != 1.0:
             h = h * self.embed_multiplier
-        cos, sin = self.rotary(h, position_ids)  # [1, T, D] each, in h's dtype (OLMo2: fp32 at every dtype)
         native = self.native if h.dtype in (torch.bfloat16, torch.float32) else None
-        native_rope = native is not None and cos.dtype == h.dtype
-        if native_rope:
-            cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, D]
-        else:
-            cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, D]: one row per token, for every head
+        ropes = {rope: self._rope(h, position_ids, rope, native) for rope in {layer.rope for layer in self.layers}}
         t = h.shape[0]
         if self._tiles_possible and self._tiles_on != (not meta.prefills):
             self._switch_tiles(not meta.prefills)
@@ -365,6 +383,7 @@ class FusedDecoder:
         # oneDNN's post-op forms for the steps the few-rows kernel does not take (prefill chunks)
         post_ops = self.post_ops_on and (t > FEW_ROWS or not self._few_rows)
         if self.native_layers is not None and self.native_layers.takes(h, meta):
+            cos, sin, _ = ropes[None]
             self.native_layers.run(h, cos, sin, meta)  # the loop below, in C
             return self._logits(h.index_select(0, logits_to_keep), greedy)
         last = len(self.layers) - 1
@@ -377,6 +396,7 @@ class FusedDecoder:
                     _width_norms(qkv, layer.q_norm, layer.k_norm, q_end, k_end)
                 else:
                     _head_norms(qkv, layer.q_norm, layer.k_norm, heads, kv_heads, native)
+            cos, sin, native_rope = ropes[layer.rope]
             if native_rope:  # the same roundings as the torch ops below, in one pass, in place
                 native.rope_(qkv, heads + kv_heads, cos, sin)
                 q, k = qkv[:, :q_end].view(t, heads, d), qkv[:, q_end:k_end].view(t, kv_heads, d)
@@ -405,8 +425,21 @@ class FusedDecoder:
                 h = layer.mlp(layer.post_norm(h), h)
                 continue
             gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
-            h = _gated_down(layer.down, gate_up, inter, h, native, layer.mlp_out_norm)
+            h = _gated_down(layer, gate_up, inter, h, native)
         return self._logits(h, greedy)
+
+    def _rope(self, h: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None,
+              native: NativeKernels | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """cos and sin of the step's positions for the layers of `layer_type` (None: the model has one RoPE), and
+        whether the native kernel applies them: `[T, D]` each for it, else `[T, 1, D]` (one row per token, for
+        every head)."""
+        if layer_type is None:
+            cos, sin = self.rotary(h, position_ids)  # [1, T, D] each, in h's dtype (OLMo2: fp32 at every dtype)
+        else:
+            cos, sin = self.rotary(h, position_ids, layer_type)
+        if native is not None and cos.dtype == h.dtype:
+            return cos[0].contiguous(), sin[0].contiguous(), True
+        return cos[0].unsqueeze(1), sin[0].unsqueeze(1), False
 
     def _logits(self, rows: torch.Tensor, greedy: bool) -> torch.Tensor | GreedyTokens:
         """The head over the final norm of the rows to sample; with `greedy`, their tokens where the greedy head

@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ("inplace_gated_mlps", "is_gated_silu_mlp", "is_silu")
+__all__ = ("inplace_gated_mlps", "is_gated_silu_mlp", "is_gelu", "is_silu")
 
 
 def is_gated_silu_mlp(module: torch.nn.Module) -> bool:
@@ -28,6 +28,15 @@ def is_gated_silu_mlp(module: torch.nn.Module) -> bool:
 def is_silu(module: object) -> bool:
     """Whether `module` is torch's SiLU or transformers' SiLUActivation."""
     return isinstance(module, torch.nn.SiLU) or type(module).__name__ in ("SiLUActivation", "SiLU")
+
+
+# transformers' GELU modules (exact and tanh-approximated) and torch's own: element-wise, run as the modules run
+_GELUS = ("GELUActivation", "GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation", "GELU")
+
+
+def is_gelu(module: object) -> bool:
+    """Whether `module` is one of the element-wise GELU modules (Gemma's MLP activation)."""
+    return isinstance(module, torch.nn.GELU) or type(module).__name__ in _GELUS
 
 
 def _inplace_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

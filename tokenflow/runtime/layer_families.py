@@ -18,7 +18,7 @@ import torch
 
 from tokenflow.runtime.cpu.gguf_linear import QuantizedLinear
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
-from tokenflow.runtime.gated_mlp import is_silu
+from tokenflow.runtime.gated_mlp import is_gelu, is_silu
 
 __all__ = ("LayerFamily", "LayerLinears", "LayerWeights", "describes", "embedding_multiplier", "family_for",
            "final_norm_runs", "head_weight", "layer_linears", "layer_weights", "logits_divisor")
@@ -28,13 +28,14 @@ __all__ = ("LayerFamily", "LayerLinears", "LayerWeights", "describes", "embeddin
 class LayerFamily:
     """Where a family's layer keeps what the fused layer runs: [`norm(x)`], one QKV projection (biases allowed
     where `qkv_bias`), [Q/K norms], RoPE, attention, the output projection [normed] plus the residual, [`norm(x)`],
-    one gate+up projection, SiLU product, the down projection [normed] plus the residual. The norms in brackets
-    are the ones the family names (Llama: before each sublayer; OLMo2: on each sublayer's output)."""
+    one gate+up projection, SiLU (or GELU: Gemma) product, the down projection [normed] plus the residual. The
+    norms in brackets are the ones the family names (Llama: before each sublayer; OLMo2: on each sublayer's output;
+    Gemma 3: both)."""
 
     name: str
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")  # attention's projections, concatenated in this order
     gate_up: tuple[str, ...] = ("gate_proj", "up_proj")  # the MLP's gate then up projections
-    activation: str = "act_fn"  # the MLP's activation attribute (must be SiLU)
+    activation: str = "act_fn"  # the MLP's activation attribute (SiLU, or a GELU module the loop calls)
     qkv_bias: bool = False  # Q, K and V may carry biases (all or none)
     head_norms: bool = False  # an RMSNorm over each Q head and each K head before RoPE (Qwen3)
     width_norms: bool = False  # an RMSNorm over all of Q and all of K before RoPE (OLMo2)
@@ -60,6 +61,11 @@ FAMILIES: dict[str, LayerFamily] = {
     "olmo2": LayerFamily("olmo2", width_norms=True, attention_in_norm=None,
                          attention_out_norm="post_attention_layernorm", mlp_in_norm=None,
                          mlp_out_norm="post_feedforward_layernorm", other_norm="Olmo2RMSNorm"),
+    # Gemma's norms scale by (1 + weight) in fp32 and its embeddings by sqrt(hidden) (inside its embedding module)
+    "gemma": LayerFamily("gemma", other_norm="GemmaRMSNorm"),
+    "gemma3_text": LayerFamily("gemma3_text", head_norms=True, attention_out_norm="post_attention_layernorm",
+                               mlp_in_norm="pre_feedforward_layernorm", mlp_out_norm="post_feedforward_layernorm",
+                               other_norm="Gemma3RMSNorm"),
 }
 
 
@@ -75,12 +81,19 @@ class LayerWeights:
     q_norm: torch.nn.Module | None  # per-head (head_norms) or whole-width (width_norms) norms
     k_norm: torch.nn.Module | None
     norms: tuple[torch.nn.Module | None, ...]  # attention in, attention out, MLP in, MLP out (None: none there)
+    activation: torch.nn.Module | None  # a GELU module the loop calls on the gate; None: SiLU (the native product)
 
 
-def family_for(config: object) -> LayerFamily | None:
-    """The description of `config`'s family where the fused loop runs it: RoPE over the whole head, no window."""
+def family_for(config: object, max_context: int | None = None) -> LayerFamily | None:
+    """The description of `config`'s family where the fused loop runs it: RoPE over the whole head, no window
+    shorter than `max_context` (the longest context the runner allows), no logit soft-capping."""
     family = FAMILIES.get(str(getattr(config, "model_type", None)))
-    if family is None or getattr(config, "sliding_window", None) is not None:  # HF's attention guards a window
+    if family is None:
+        return None
+    window = getattr(config, "sliding_window", None)  # HF's attention guards a window; here it must mask nothing
+    if window is not None and (max_context is None or window < max_context):
+        return None
+    if any(getattr(config, name, None) is not None for name in ("attn_logit_softcapping", "final_logit_softcapping")):
         return None
     if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         return None
@@ -106,6 +119,7 @@ class LayerLinears:
     k_norm: torch.nn.Module | None
     residual_multiplier: float  # Granite's: times the o and down outputs
     norms: tuple[torch.nn.Module | None, ...]  # as LayerWeights'
+    activation: torch.nn.Module | None  # as LayerWeights'
 
 
 def _parts(layer: torch.nn.Module, family: LayerFamily) -> LayerLinears | None:
@@ -115,7 +129,8 @@ def _parts(layer: torch.nn.Module, family: LayerFamily) -> LayerLinears | None:
     gate_up, down = _linears(mlp, family.gate_up), _linears(mlp, ("down_proj",))
     if qkv is None or o is None or gate_up is None or down is None:
         return None
-    if any(p.bias is not None for p in (*o, *gate_up, *down)) or not is_silu(getattr(mlp, family.activation, None)):
+    activation = getattr(mlp, family.activation, None)
+    if any(p.bias is not None for p in (*o, *gate_up, *down)) or not (is_silu(activation) or is_gelu(activation)):
         return None
     with_bias = [p.bias is not None for p in qkv]
     if any(with_bias) and not (family.qkv_bias and all(with_bias)):
@@ -133,7 +148,8 @@ def _parts(layer: torch.nn.Module, family: LayerFamily) -> LayerLinears | None:
     multiplier = getattr(layer, "residual_multiplier", None) if family.multipliers else 1.0
     if not isinstance(multiplier, (int, float)):
         return None
-    return LayerLinears(qkv, o[0], gate_up, down[0], q_norm, k_norm, float(multiplier), norms)
+    return LayerLinears(qkv, o[0], gate_up, down[0], q_norm, k_norm, float(multiplier), norms,
+                        None if is_silu(activation) else activation)
 
 
 def _is_norm(module: object, family: LayerFamily) -> bool:
@@ -170,6 +186,7 @@ def layer_weights(layer: torch.nn.Module, family: LayerFamily) -> LayerWeights:
             q_norm=parts.q_norm,
             k_norm=parts.k_norm,
             norms=parts.norms,
+            activation=parts.activation,
         )
 
 

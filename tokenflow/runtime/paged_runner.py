@@ -250,8 +250,9 @@ class PagedModelRunner:
         # (post_ops: prefill chunks' MLP and output projection on oneDNN's fused post-ops, which round bf16 once
         # fewer than transformers' separate ops; torch-ops mode keeps the reference arithmetic)
         fast = pack_weights and native_kernels
-        self.fused = fused_decoder_for(model, pack=pack_weights, few_rows=fast, post_ops=fast,
-                                       native=self.native) if fused_layers else None
+        context = max_model_len or getattr(model.config, "max_position_embeddings", None)
+        self.fused = fused_decoder_for(model, pack=pack_weights, few_rows=fast, post_ops=fast, native=self.native,
+                                       max_context=context) if fused_layers else None
         self.graphs: DecodeGraphs | None = None  # decode-only steps at fixed shapes (set by the backend)
         self._switch_to_paged_attention(self_check)
 

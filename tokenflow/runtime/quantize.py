@@ -80,10 +80,14 @@ def activation_maxima(runner: PagedModelRunner, tokens: list[int]) -> dict[str, 
     try:
         for name, linear in originals.items():
             fused.set_linear(name, recorder(name, linear))
-        for start in range(0, len(tokens), CALIBRATION_CHUNK):
-            piece = tokens[start:start + CALIBRATION_CHUNK]
-            step = runner.prepare([SeqChunk(piece, start, table, True, len(piece))], scratch)
-            runner._forward(step)
+        # one sequence, or sequences no longer than a model-native window (the fused layers run none past it)
+        length = fused.window or len(tokens)
+        for sequence in range(0, len(tokens), length):
+            text = tokens[sequence:sequence + length]
+            for start in range(0, len(text), CALIBRATION_CHUNK):
+                piece = text[start:start + CALIBRATION_CHUNK]
+                step = runner.prepare([SeqChunk(piece, start, table, True, len(piece))], scratch)
+                runner._forward(step)
     finally:
         for name, linear in originals.items():
             fused.set_linear(name, linear)
