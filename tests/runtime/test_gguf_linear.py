@@ -42,6 +42,14 @@ def reference(weight: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(weight.n, weight.k)
 
 
+@pytest.fixture
+def float_rows():
+    """The float tiles at every row count (bf16 rows against Q4_K / Q6_K otherwise go through int8 and VNNI)."""
+    kernels.int8_rows = False
+    yield
+    kernels.int8_rows = kernels.has_int8_rows
+
+
 FORMAT_IDS = sorted(FORMATS)
 QUANTIZED_IDS = sorted(set(FORMATS) - DENSE_FORMATS)
 
@@ -61,7 +69,7 @@ def test_dequantised_exactly_as_the_gguf_package(format: int) -> None:
 @pytest.mark.skipif(kernels is None or not kernels.has_few_rows, reason="the few-rows kernel needs AVX-512")
 @pytest.mark.parametrize("format", QUANTIZED_IDS, ids=[FORMATS[f][0] for f in QUANTIZED_IDS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_few_rows_products_as_exact_as_torch(format: int, dtype: torch.dtype) -> None:
+def test_few_rows_products_as_exact_as_torch(format: int, dtype: torch.dtype, float_rows: None) -> None:
     n, k = 37, 768  # n not a multiple of the kernel's four weight rows
     weight = random_blocks(format, n, k, seed=format + 1)
     dense = reference(weight)
@@ -78,8 +86,47 @@ def test_few_rows_products_as_exact_as_torch(format: int, dtype: torch.dtype) ->
         assert err <= max(1.01 * torch_err, 1e-6 if dtype == torch.float32 else 3e-3), (m, err, torch_err)
 
 
+def int8_rows_reference(x: torch.Tensor) -> torch.Tensor:
+    """x's rows as the int8 path sees them: per 256 values, q = round(x * 127 / max|x|), then q * max|x| / 127."""
+    blocks = x.float().reshape(x.shape[0], -1, 256)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inverse)
+    return (q.double() * (amax / 127.0).double()).reshape(x.shape)
+
+
+@pytest.mark.skipif(kernels is None or not kernels.has_int8_rows, reason="the int8 rows need AVX512-VNNI")
+@pytest.mark.parametrize("format", [int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q6_K)],
+                         ids=["Q4_K", "Q6_K"])
+def test_bf16_rows_against_k_quants_run_in_int8(format: int) -> None:
+    """Up to four bf16 rows against Q4_K / Q6_K: the rows quantised to int8 per 256 values (llama.cpp's Q8_K), the
+    products exact on those values (but for fp32 sums and the bf16 output), within 1.5% of the bf16 rows' own; more
+    rows and fp32 rows keep the float tiles."""
+    n, k = 37, 1024
+    weight = random_blocks(format, n, k, seed=format + 7)
+    dense = reference(weight).double()
+    gen = torch.Generator().manual_seed(format)
+    for m in (1, 2, 3, 4, 5):
+        x = (torch.randn(m, k, generator=gen) * torch.rand(m, k, generator=gen) * 3).bfloat16()
+        x[0, :256] = 0  # a block of zeros: scale 0, no division by it
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        assert kernels.few_rows(x, weight, out)
+        exact = x.double() @ dense.T
+        err = ((out.double() - exact).norm() / exact.norm()).item()
+        on_int8 = ((out.double() - int8_rows_reference(x) @ dense.T).norm() / exact.norm()).item()
+        if m <= 4:
+            assert on_int8 < 3e-3 and 1e-3 < err < 1.5e-2, (m, on_int8, err)  # int8 rows: their own rounding
+        else:
+            assert err < 3e-3, (m, err)  # float tiles
+    x = torch.randn(2, k, generator=gen)
+    out = torch.empty(2, n)
+    assert kernels.few_rows(x, weight, out)
+    exact = x.double() @ dense.T
+    assert ((out.double() - exact).norm() / exact.norm()).item() < 1e-6  # fp32 rows: exact products
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_modules_over_blocks_match_dense_modules(dtype: torch.dtype) -> None:
+def test_modules_over_blocks_match_dense_modules(dtype: torch.dtype, float_rows: None) -> None:
     """QuantizedLinear (every row count: the few-rows kernel and the dequantised product), a stacked QKV of
     three formats with a bias, and the embedding, against torch's modules over the dequantised weights."""
     q8, q4k, q6k = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)

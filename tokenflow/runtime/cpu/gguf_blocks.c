@@ -508,14 +508,211 @@ static TileRows tile_rows_for(int format)
     }
 }
 
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* bf16 decode rows against Q4_K and Q6_K weights (what Q4_K_M files hold) as llama.cpp runs them: each input row
+ * quantised to int8 per 256 values (one scale, as ggml's Q8_K), the weight's 4- or 6-bit codes multiplied with it as
+ * unsigned bytes by VNNI's dot products (64 products per instruction, exact int32 sums), the sub-block scales and
+ * offsets applied to the sums. Four times fewer instructions per weight byte than dequantising to floats, at the
+ * price of the activations' int8 rounding (llama.cpp's own). fp32 steps keep the float tiles (exact products). */
+#define VNNI_ROWS XR
+
+typedef struct {
+    float d;          /* the 256 values' scale: value ~ d * q */
+    float sums[16];   /* d * the sum of q per sub-block (Q4_K: 8 of 32 values; Q6_K: 16 of 16) */
+    int8_t q[QK];     /* in the order the format's dot products read them (see quantize_rows) */
+} QuantizedX;
+
+/* Row x (k values, bf16) into k / QK blocks at `out`. Q4_K reads 128 values as two 64-byte vectors of codes: the
+ * low nibbles of bytes 0..63 are values 0..31 and 64..95, the high ones 32..63 and 96..127, so its q holds each
+ * 128 values in that order; Q6_K reads them in order. */
+static void quantize_row(const int format, const uint16_t *x, int64_t k, QuantizedX *out)
+{
+    for (int64_t b = 0; b < k / QK; ++b) {
+        float v[QK], amax = 0.f;
+        for (int i = 0; i < QK; ++i) {
+            v[i] = bf16_to_float(x[b * QK + i]);
+            const float a = v[i] < 0 ? -v[i] : v[i];
+            amax = a > amax ? a : amax;
+        }
+        QuantizedX *block = out + b;
+        const float d = amax / 127.f, inverse = amax > 0 ? 127.f / amax : 0.f;
+        int8_t q[QK];
+        for (int i = 0; i < QK; ++i)
+            q[i] = (int8_t)__builtin_lrintf(v[i] * inverse);
+        const int group = format == Q4_K ? 32 : 16;
+        for (int s = 0; s < QK / group; ++s) {
+            int sum = 0;
+            for (int i = 0; i < group; ++i)
+                sum += q[s * group + i];
+            block->sums[s] = d * (float)sum;
+        }
+        block->d = d;
+        if (format == Q6_K) {
+            memcpy(block->q, q, QK);
+            continue;
+        }
+        for (int c = 0; c < QK; c += 128) {
+            memcpy(block->q + c, q + c, 32);
+            memcpy(block->q + c + 32, q + c + 64, 32);
+            memcpy(block->q + c + 64, q + c + 32, 32);
+            memcpy(block->q + c + 96, q + c + 96, 32);
+        }
+    }
+}
+
+/* Lanes 0..7 of the result `v[a]`, lanes 8..15 `v[b]` (a Q4_K dot vector's two sub-blocks). */
+static inline __m512 two_scales(const __m256 v, const int a, const int b)
+{
+    const __m512i index = _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
+    return _mm512_permutexvar_ps(index, _mm512_castps256_ps512(v));
+}
+
+/* The dot products of one weight block (Q4_K or Q6_K, at `b`) with xr quantised input blocks xb[i], added to
+ * acc[i] (lane sums are the results). */
+static inline __attribute__((always_inline)) void vnni_block(const int format, const int xr, const uint8_t *b,
+                                                             const QuantizedX *const *xb, __m512 *acc)
+{
+    const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    if (format == Q4_K) {
+        float scale[8], minimum[8];
+        block_scales(Q4_K, b, scale, minimum);
+        const __m256 sv = _mm256_loadu_ps(scale), mv = _mm256_loadu_ps(minimum);
+        const __m512 s[4] = {two_scales(sv, 0, 2), two_scales(sv, 1, 3), two_scales(sv, 4, 6), two_scales(sv, 5, 7)};
+        const __m512i raw0 = _mm512_loadu_si512(b + 16), raw1 = _mm512_loadu_si512(b + 80);
+        const __m512i codes[4] = {_mm512_and_si512(raw0, low4), _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low4),
+                                  _mm512_and_si512(raw1, low4), _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low4)};
+        for (int i = 0; i < xr; ++i) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int v = 0; v < 4; ++v) {
+                const __m512i dot = _mm512_dpbusd_epi32(zero, codes[v], _mm512_loadu_si512(xb[i]->q + 64 * v));
+                sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s[v], sum);
+            }
+            /* - dmin * min_j * (sum of x over sub-block j), the x sums already times x's d */
+            const __m256 offsets = _mm256_mul_ps(mv, _mm256_loadu_ps(xb[i]->sums));
+            sum = _mm512_sub_ps(_mm512_mul_ps(sum, _mm512_set1_ps(xb[i]->d)), _mm512_zextps256_ps512(offsets));
+            acc[i] = _mm512_add_ps(acc[i], sum);
+        }
+        return;
+    }
+    /* Q6_K: per half, 64 bytes of low four bits (values 0..63 in the low nibbles, 64..127 in the high ones) and 32
+     * bytes of the top two bits (bits 0-1: values 0..31, 2-3: 32..63, 4-5: 64..95, 6-7: 96..127) */
+    float scale[16], unused[8];
+    block_scales(Q6_K, b, scale, unused);
+    const __m512 sv = _mm512_loadu_ps(scale);
+    const __m512i low2 = _mm512_set1_epi8(0x03), shifts = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    __m512i codes[4];
+    __m512 s[4];
+    for (int half = 0; half < 2; ++half) {
+        const __m512i raw = _mm512_loadu_si512(b + 64 * half);
+        const __m512i top = _mm512_srlv_epi64(
+            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half))), shifts);
+        const __m512i top_lo = _mm512_slli_epi16(_mm512_and_si512(top, low2), 4);
+        const __m512i top_hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, 4), low2), 4);
+        codes[2 * half] = _mm512_or_si512(_mm512_and_si512(raw, low4), top_lo);
+        codes[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), top_hi);
+        for (int v = 0; v < 2; ++v) { /* 4 lanes per 16 values: sub-blocks 8 half + 4 v .. + 4 */
+            const int f = 8 * half + 4 * v;
+            const __m512i index = _mm512_setr_epi32(f, f, f, f, f + 1, f + 1, f + 1, f + 1, f + 2, f + 2, f + 2,
+                                                    f + 2, f + 3, f + 3, f + 3, f + 3);
+            s[2 * half + v] = _mm512_permutexvar_ps(index, sv);
+        }
+    }
+    for (int i = 0; i < xr; ++i) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int v = 0; v < 4; ++v) {
+            const __m512i dot = _mm512_dpbusd_epi32(zero, codes[v], _mm512_loadu_si512(xb[i]->q + 64 * v));
+            sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s[v], sum);
+        }
+        /* the codes are q + 32: - 32 * d * scale_s * (sum of x over sub-block s) */
+        const __m512 offsets = _mm512_mul_ps(_mm512_mul_ps(sv, _mm512_loadu_ps(xb[i]->sums)), _mm512_set1_ps(32.f));
+        acc[i] = _mm512_add_ps(acc[i], _mm512_fmsub_ps(sum, _mm512_set1_ps(xb[i]->d), offsets));
+    }
+}
+
+/* xr quantised rows (k / QK blocks each, `x` row after row) times weight rows 0 .. wr starting at `w`. */
+static inline __attribute__((always_inline)) void vnni_tile(const int format, const int xr, const int wr,
+                                                            const QuantizedX *x, const uint8_t *w, int64_t row_bytes,
+                                                            int64_t k, void *out, int64_t ldo)
+{
+    const int64_t bytes = format == Q4_K ? 144 : 210, blocks = k / QK;
+    __m512 acc[XR][WR];
+    for (int i = 0; i < XR; ++i)
+        for (int c = 0; c < WR; ++c)
+            acc[i][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < blocks; ++j) {
+        const QuantizedX *xb[XR];
+        for (int i = 0; i < xr; ++i)
+            xb[i] = x + i * blocks + j;
+        for (int c = 0; c < wr; ++c) {
+            const uint8_t *b = w + c * row_bytes + j * bytes;
+            for (int64_t line = 0; line < bytes; line += 64)
+                __builtin_prefetch(b + AHEAD + line, 0, 0);
+            __m512 part[XR];
+            for (int i = 0; i < xr; ++i)
+                part[i] = acc[i][c];
+            vnni_block(format, xr, b, xb, part);
+            for (int i = 0; i < xr; ++i)
+                acc[i][c] = part[i];
+        }
+    }
+    store_sums(xr, wr, acc, out, ldo, 1);
+}
+
+/* vnni_tile for one format, xr and wr known at compile time where they are the common ones. */
+#define VNNI_ROWS_OF(F)                                                                                             \
+    static void vnni_##F(int64_t m, int wr, const QuantizedX *x, const uint8_t *w, int64_t row_bytes, int64_t k,  \
+                         void *out, int64_t ldo)                                                                    \
+    {                                                                                                               \
+        if (wr == WR) {                                                                                             \
+            switch (m) {                                                                                            \
+            case 4: vnni_tile(F, 4, 4, x, w, row_bytes, k, out, ldo); return;                                       \
+            case 3: vnni_tile(F, 3, 4, x, w, row_bytes, k, out, ldo); return;                                       \
+            case 2: vnni_tile(F, 2, 4, x, w, row_bytes, k, out, ldo); return;                                       \
+            default: vnni_tile(F, 1, 4, x, w, row_bytes, k, out, ldo); return;                                      \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int c = 0; c < wr; ++c) /* the weight's last rows, one at a time */                                    \
+            vnni_tile(F, (int)m, 1, x, w + c * row_bytes, row_bytes, k, (uint16_t *)out + c, ldo);                  \
+    }
+VNNI_ROWS_OF(Q4_K)
+VNNI_ROWS_OF(Q6_K)
+#undef VNNI_ROWS_OF
+
+/* gguf_few_rows for bf16 rows (m <= VNNI_ROWS) and a Q4_K or Q6_K weight; `scratch` takes the quantised rows. */
+static void vnni_few_rows(int format, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const uint16_t *x,
+                          int64_t m, void *scratch, uint16_t *out, int64_t ldo)
+{
+    QuantizedX *rows = scratch;
+    for (int64_t i = 0; i < m; ++i)
+        quantize_row(format, x + i * k, k, rows + i * (k / QK));
+    const int64_t passes = (n + WR - 1) / WR;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < passes; ++p) {
+        const int64_t c0 = p * WR;
+        const int wr = n - c0 < WR ? (int)(n - c0) : WR;
+        (format == Q4_K ? vnni_Q4_K : vnni_Q6_K)(m, wr, rows, w + c0 * row_bytes, row_bytes, k, out + c0, ldo);
+    }
+}
+#endif
 #endif
 
+int gguf_int8_rows_available(void)
+{
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* y = x W^T: x [m][k] (bf16 or fp32, rows k apart), W [n][k] in a quantised `format` (rows `row_bytes` apart),
- * y [m][n] rows `ldo` apart in x's dtype. `scratch` holds m * k floats (the rows in fp32). Threads split the
- * weight rows four at a time (tile_blocks, tile_chunks). 0, or -1 where it does not run (no AVX-512, more than
- * MAX_ROWS rows, a dense or unknown format, k not a whole number of blocks). */
+ * y [m][n] rows `ldo` apart in x's dtype. `scratch` holds m * k floats (the rows in fp32, or quantised). Threads
+ * split the weight rows four at a time (tile_blocks, tile_chunks; with `int8_rows`, up to VNNI_ROWS bf16 rows
+ * against Q4_K or Q6_K: vnni_tile). 0, or -1 where it does not run (no AVX-512, more than MAX_ROWS rows, a dense or
+ * unknown format, k not a whole number of blocks). */
 int gguf_few_rows(int format, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int x_bf16,
-                  int64_t m, float *scratch, void *out, int64_t ldo)
+                  int64_t m, float *scratch, void *out, int64_t ldo, int int8_rows)
 {
 #if defined(__AVX512F__)
     int64_t values, bytes;
@@ -525,6 +722,12 @@ int gguf_few_rows(int format, const uint8_t *w, int64_t row_bytes, int64_t n, in
         return -1;
     if (m <= 0 || n <= 0) /* a step whose chunks end no prompt asks its head for no rows */
         return 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (x_bf16 && (format == Q4_K || format == Q6_K) && m <= VNNI_ROWS && int8_rows) {
+        vnni_few_rows(format, w, row_bytes, n, k, x, m, scratch, out, ldo);
+        return 0;
+    }
+#endif
     for (int64_t i = 0; i < m * k; ++i)
         scratch[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
     const int64_t passes = (n + WR - 1) / WR;
@@ -538,7 +741,7 @@ int gguf_few_rows(int format, const uint8_t *w, int64_t row_bytes, int64_t n, in
     return 0;
 #else
     (void)format; (void)w; (void)row_bytes; (void)n; (void)k; (void)x; (void)x_bf16; (void)m; (void)scratch;
-    (void)out; (void)ldo;
+    (void)out; (void)ldo; (void)int8_rows;
     return -1;
 #endif
 }

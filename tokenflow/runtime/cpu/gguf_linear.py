@@ -83,10 +83,15 @@ class GGUFKernels:
         self._dequantize.argtypes = (ctypes.c_int, _P, _I, _I, _P, _I, _P, ctypes.c_int)
         self._dequantize.restype = ctypes.c_int
         self._few_rows = library.gguf_few_rows
-        self._few_rows.argtypes = (ctypes.c_int, _P, _I, _I, _I, _P, ctypes.c_int, _I, _P, _P, _I)
+        self._few_rows.argtypes = (ctypes.c_int, _P, _I, _I, _I, _P, ctypes.c_int, _I, _P, _P, _I, ctypes.c_int)
         self._few_rows.restype = ctypes.c_int
         library.gguf_few_rows_available.restype = ctypes.c_int
+        library.gguf_int8_rows_available.restype = ctypes.c_int
         self.has_few_rows = bool(library.gguf_few_rows_available())
+        # up to 4 bf16 rows against Q4_K / Q6_K: the rows quantised to int8 and multiplied by VNNI (llama.cpp's
+        # arithmetic and rounding); False: the float tiles (the product as exact as torch's)
+        self.has_int8_rows = bool(library.gguf_int8_rows_available())
+        self.int8_rows = self.has_int8_rows
         self._scratch = torch.empty(0)
 
     def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,7 +120,8 @@ class GGUFKernels:
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need)
         status = self._few_rows(weight.format, weight.data.data_ptr(), weight.row_bytes, weight.n, k, x.data_ptr(),
-                                x.dtype == torch.bfloat16, m, self._scratch.data_ptr(), out.data_ptr(), out.stride(0))
+                                x.dtype == torch.bfloat16, m, self._scratch.data_ptr(), out.data_ptr(), out.stride(0),
+                                self.int8_rows)
         return status == 0
 
 
