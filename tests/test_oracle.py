@@ -101,6 +101,10 @@ async def test_paged_greedy_on_other_architectures(tmp_path, arch, fused) -> Non
     prompts = make_prompts(400, [5, 40, 90, 13], seed=1)
     async with Engine(folder, max_batch_tokens=32) as engine:  # chunked prefill over several steps
         assert (engine._loop.backend.runner.fused is not None) == fused
+        if fused:  # the loop runs packed copies: the HF layers' weights are gone, and the answers below are exact
+            assert engine._loop.backend.runner.fused.released
+            assert all(p.numel() == 0 for n, p in engine._loop.backend.runner.model.named_parameters()
+                       if n.endswith("proj.weight"))
         outputs = await run_concurrently(engine, prompts, max_tokens=12)
     for prompt, got in zip(prompts, outputs):
         assert got == hf_greedy(model, prompt, 12)

@@ -40,6 +40,7 @@ from tokenflow.runtime.cpu.packed_linear import (
     packed_linear,
     post_ops_available,
 )
+from tokenflow.runtime.cpu.resident_pages import drop_resident_pages
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
 from tokenflow.runtime.layer_families import (
     LayerFamily,
@@ -255,6 +256,12 @@ class FusedDecoder:
             pack = few_rows = post_ops = False
         self.native = native  # bf16, fp32: RoPE on Q and K and the SiLU product as one C call each
         self.model = model
+        # every layer linear runs from copies of its own (oneDNN's packed layout, the few-rows panels): the HF
+        # layers' weights can go once the self-check and int8's quantisation have read them
+        weight = model.lm_head.weight
+        self.owns_layer_weights = (pack and not quantized and weight.device.type == "cpu"
+                                   and weight.dtype in packed_dtypes())
+        self.released = False
         self.family = family
         self.embed = base.embed_tokens
         self.embed_multiplier = embedding_multiplier(model, family)
@@ -308,6 +315,8 @@ class FusedDecoder:
     def linear_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of every linear the loop runs, by name (`layers.<i>.qkv` / `.o` / `.gate_up` /
         `.down`, `lm_head`), in the concatenations the loop uses: for quantising them."""
+        if self.released:
+            raise RuntimeError("the HF layers' weights were released (release_layer_weights)")
         out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for i, layer in enumerate(self.model.model.layers):
             w = layer_weights(layer, self.family)
@@ -317,6 +326,27 @@ class FusedDecoder:
             out[f"layers.{i}.down"] = (w.down, None)
         out["lm_head"] = (self.head_weight, None)
         return out
+
+    def release_layer_weights(self, replaced: bool = False) -> int:
+        """Drop the HF layers' linear weights (each module's weight becomes an empty tensor): the loop runs its own
+        copies (`replaced`: every layer linear was swapped for one holding its own, int8's), and a second
+        model-sized copy is memory an embedding app needs. The HF modules cannot run after this, nor
+        `linear_weights`. Returns the bytes released (0 where the loop still reads the model's)."""
+        if not (self.owns_layer_weights or replaced) or self.released:
+            return 0
+        model, family = self.model, self.family
+        empty = torch.nn.Parameter(torch.empty(0, dtype=model.lm_head.weight.dtype), requires_grad=False)
+        weights = []
+        for layer in model.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            modules = [getattr(attention, name) for name in (*family.qkv, "o_proj")]
+            modules += [getattr(mlp, name) for name in (*family.gate_up, "down_proj")]
+            for module in modules:
+                weights.append(module.weight.detach())
+                module.weight = empty
+        drop_resident_pages(weights)  # a checkpoint's mapping outlives them (the embedding holds it)
+        self.released = True
+        return sum(w.numel() * w.element_size() for w in weights)
 
     def linears(self) -> dict[str, Linear]:
         """The callables the loop runs, by the names of `linear_weights`."""

@@ -164,16 +164,9 @@ def quantize_weight_only(fused: FusedDecoder) -> int:
 
 
 def _release_float_weights(fused: FusedDecoder) -> None:
-    """Drop the float weights the int8 layers replace (not a head tied to the embedding, still read), by the
-    names the model's family keeps them under."""
-    model, family = fused.model, fused.family
+    """Drop the float weights the int8 layers replace (not a head tied to the embedding, still read)."""
+    model = fused.model
     embedding = model.get_input_embeddings().weight
-    empty = torch.nn.Parameter(torch.empty(0, dtype=embedding.dtype), requires_grad=False)
-    for layer in model.model.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        modules = [getattr(attention, name) for name in (*family.qkv, "o_proj")]
-        modules += [getattr(mlp, name) for name in (*family.gate_up, "down_proj")]
-        for module in modules:
-            module.weight = empty
+    fused.release_layer_weights(replaced=True)
     if model.lm_head.weight.data_ptr() != embedding.data_ptr():
-        model.lm_head.weight = empty
+        model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=embedding.dtype), requires_grad=False)

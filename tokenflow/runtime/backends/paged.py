@@ -203,7 +203,13 @@ class PagedBackend:
             compile_mlps(model, set(self.buckets))
         elif config.pack_cpu_weights and self.runner.fused is None:  # the fused layers pack their own
             pack_linears(model)
-        self.weight_bytes = self.int8_bytes + _parameter_bytes(model)
+        released = 0
+        if self.runner.fused is not None and config.quantization is None:  # the fused layers run copies of
+            released = self.runner.fused.release_layer_weights()  # their own: the HF layers' weights can go
+            if released:
+                log.info("released the HF layers' weights (%.0f MiB): the fused layers run packed copies",
+                         released / 2**20)
+        self.weight_bytes = self.int8_bytes + released + _parameter_bytes(model)  # the weights as they run, once
 
     def _pool_after_profile(self, ctx: EngineContext, per_block: int) -> int:
         """CUDA: run one largest step on the runner's provisional cache, free that cache, and size the pool
