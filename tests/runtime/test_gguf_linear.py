@@ -47,7 +47,7 @@ def float_rows():
     """The float tiles at every row count (bf16 rows against Q4_K / Q6_K otherwise go through int8 and VNNI)."""
     kernels.int8_rows = False
     yield
-    kernels.int8_rows = kernels.has_int8_rows
+    kernels.int8_rows = True
 
 
 FORMAT_IDS = sorted(FORMATS)

@@ -309,6 +309,8 @@ class FusedDecoder:
         # steps with a prefill chunk keep the register tile (one arithmetic for a prompt, cached or not)
         self._tiles_on = False
         self._tiles_possible = any(f.kernels.has_tiles for f in self._few_rows)
+        # GGUF: bf16 decode rows against K-quants in int8 (gguf_blocks.c), on decode-only steps for the same reason
+        self._gguf_kernels = next((m.kernels for m in model.modules() if isinstance(m, QuantizedLinear)), None)
         # decode steps that run entirely through the few-rows and native kernels: all layers in one C call
         self.native_layers = _native_layers(self.layers, family, native, self.intermediate)
 
@@ -406,6 +408,8 @@ class FusedDecoder:
         t = h.shape[0]
         if self._tiles_possible and self._tiles_on != (not meta.prefills):
             self._switch_tiles(not meta.prefills)
+        if self._gguf_kernels is not None:
+            self._gguf_kernels.int8_rows = self._gguf_kernels.has_int8_rows and not meta.prefills
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = heads * d, (heads + kv_heads) * d
         half = d // 2

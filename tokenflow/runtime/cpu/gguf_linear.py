@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +76,8 @@ def weight_supported(format: int, k: int) -> bool:
 
 
 class GGUFKernels:
-    """The loaded `gguf_blocks.c` library. Calls come from the model thread only (one scratch buffer)."""
+    """The loaded `gguf_blocks.c` library, one per process: each thread (each engine's model thread) has its own
+    scratch buffer and its own `int8_rows` switch."""
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
@@ -91,8 +93,17 @@ class GGUFKernels:
         # up to 4 bf16 rows against Q4_K / Q6_K: the rows quantised to int8 and multiplied by VNNI (llama.cpp's
         # arithmetic and rounding); False: the float tiles (the product as exact as torch's)
         self.has_int8_rows = bool(library.gguf_int8_rows_available())
-        self.int8_rows = self.has_int8_rows
-        self._scratch = torch.empty(0)
+        self._thread = threading.local()
+
+    @property
+    def int8_rows(self) -> bool:
+        """Whether this thread's products of up to 4 bf16 rows against Q4_K / Q6_K run in int8 (default: where the
+        CPU can; the fused layers keep them to decode-only steps)."""
+        return bool(getattr(self._thread, "int8_rows", self.has_int8_rows))
+
+    @int8_rows.setter
+    def int8_rows(self, on: bool) -> None:
+        self._thread.int8_rows = on and self.has_int8_rows
 
     def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The weight's rows (all, or `ids`, int64) as `[rows, k]` in `dtype` (bf16 or fp32)."""
@@ -116,11 +127,11 @@ class GGUFKernels:
         """`out = x @ W^T` for contiguous 2-D `x` (bf16 or fp32) into `out` (x's dtype, rows may be a slice of a
         wider tensor); False where the kernel does not run (the caller takes the dequantised product)."""
         m, k = x.shape
-        need = m * k
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
+        scratch = getattr(self._thread, "scratch", None)
+        if scratch is None or scratch.numel() < m * k:
+            scratch = self._thread.scratch = torch.empty(m * k)
         status = self._few_rows(weight.format, weight.data.data_ptr(), weight.row_bytes, weight.n, k, x.data_ptr(),
-                                x.dtype == torch.bfloat16, m, self._scratch.data_ptr(), out.data_ptr(), out.stride(0),
+                                x.dtype == torch.bfloat16, m, scratch.data_ptr(), out.data_ptr(), out.stride(0),
                                 self.int8_rows)
         return status == 0
 
