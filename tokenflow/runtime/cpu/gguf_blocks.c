@@ -10,7 +10,8 @@
  * - gguf_few_rows: y = x W^T for the few rows of a decode step. Threads split the weight rows four at a time;
  *   up to four input rows, the four weight rows' blocks are dequantised 16 values at a time in registers and
  *   multiplied as they come (16 accumulators); more input rows, each chunk of the weight rows is dequantised once
- *   into an L1 buffer and groups of four input rows run over it.
+ *   into an L1 buffer and groups of four input rows run over it. bf16 rows (up to 16) against Q4_K and Q6_K go
+ *   through int8 and VNNI instead (vnni_few_rows).
  *
  * Formats follow ggml's reference dequantisation (ggml-quants.c): value = d * q (+ offsets) per block, with
  * the K-quants' 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales.
@@ -515,7 +516,7 @@ static TileRows tile_rows_for(int format)
  * unsigned bytes by VNNI's dot products (64 products per instruction, exact int32 sums), the sub-block scales and
  * offsets applied to the sums. Four times fewer instructions per weight byte than dequantising to floats, at the
  * price of the activations' int8 rounding (llama.cpp's own). fp32 steps keep the float tiles (exact products). */
-#define VNNI_ROWS XR
+#define VNNI_ROWS 16 /* bf16 rows the int8 path takes: groups of XR over each pass's weight rows (in L1 by then) */
 
 typedef struct {
     float d;          /* the 256 values' scale: value ~ d * q */
@@ -691,7 +692,9 @@ static void vnni_few_rows(int format, const uint8_t *w, int64_t row_bytes, int64
     for (int64_t p = 0; p < passes; ++p) {
         const int64_t c0 = p * WR;
         const int wr = n - c0 < WR ? (int)(n - c0) : WR;
-        (format == Q4_K ? vnni_Q4_K : vnni_Q6_K)(m, wr, rows, w + c0 * row_bytes, row_bytes, k, out + c0, ldo);
+        for (int64_t i = 0; i < m; i += XR)
+            (format == Q4_K ? vnni_Q4_K : vnni_Q6_K)(m - i < XR ? m - i : XR, wr, rows + i * (k / QK),
+                                                      w + c0 * row_bytes, row_bytes, k, out + i * ldo + c0, ldo);
     }
 }
 #endif
