@@ -111,3 +111,25 @@ def test_step_parts_account_for_each_step(tiny_model) -> None:
         assert all(p > 0 for p in parts), r
         assert sum(parts) <= r["step_ms"], r  # what remains is the rest, never negative beyond timer noise
         assert r["rest_ms"] >= 0, r
+    assert all(0 < r["floor_ms"] < r["step_ms"] and r["read_gb_per_s"] > 0 for r in rows)  # floors: lower bounds
+
+
+def test_a_steps_floor_is_its_bytes_or_its_arithmetic(tiny_model) -> None:
+    """The roofline of `bench-step --parts`: a decode step reads every layer weight, the head and its cached K/V
+    once; a prefill chunk is bound by its arithmetic where the matmul rate is the scarcer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenflow.benchmarks.step_parts import step_floor
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    config = model.config
+    weights = sum(p.numel() for p in model.model.layers.parameters()) + model.lm_head.weight.numel()
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # bytes per cached token
+    slow_memory = {"read_bytes_per_s": 1e6, "flops_per_s": 1e15}
+    assert step_floor(model, 1, 101, 100, slow_memory) == pytest.approx(1e3 * (4 * weights + 100 * kv) / 1e6)
+    slow_arithmetic = {"read_bytes_per_s": 1e15, "flops_per_s": 1e6}
+    attention = 4 * config.num_hidden_layers * config.num_attention_heads * head_dim * 5000
+    want = 1e3 * (2 * 512 * weights + attention) / 1e6
+    assert step_floor(model, 512, 5000, 0, slow_arithmetic) == pytest.approx(want)

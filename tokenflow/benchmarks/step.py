@@ -7,7 +7,7 @@
   JSON-schema constraint on every row (the masks are filled beside the
   forward pass), and the first request's costs: building the grammar
   library's view of the vocabulary, and compiling the schema.
-* With `--parts`, only where a step's time goes (`step_parts.py`).
+* With `--parts`, only where a step's time goes, and each step's floor here (`step_parts.py`).
 * The scheduler's own time per step with 64 running sequences (no model):
   `schedule()` and `update_from_output()` over the prefix cache, as the step
   loop calls them.
@@ -175,7 +175,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_out", default=None)
     p.add_argument("--parts", action="store_true",
                    help="only where a step's time goes: linears, head, attention, norms, rest, for decode steps "
-                        "and prefill chunks in bf16 and fp32, few-rows kernel and oneDNN alternating")
+                        "and prefill chunks in bf16 and fp32, few-rows kernel and oneDNN alternating, each against "
+                        "its floor on this machine (memory read and matmul rates measured in the run)")
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -198,12 +199,16 @@ def _run_parts(args: argparse.Namespace) -> dict[str, Any]:
 
     model = str(resolve_model(args.model).path)
     rows = [row for dtype in (torch.bfloat16, torch.float32) for row in step_parts(model, dtype)]
-    keys = ("step_ms", "linears_ms", "head_ms", "attention_ms", "norms_ms", "rest_ms")
+    keys = ("step_ms", "linears_ms", "head_ms", "attention_ms", "norms_ms", "rest_ms", "floor_ms")
     header = "".join(f"{k.removesuffix('_ms') + ' ms':>13}" for k in keys)
-    print(f"{'dtype':>9} {'case':>22} {'linears by':>10}" + header)
+    print(f"{'dtype':>9} {'case':>22} {'linears by':>10}" + header + f"{'floor/step':>11}")
     for r in rows:
         cells = "".join(f"{'-' if r[k] is None else r[k]:>13}" for k in keys)  # None: not timed apart (C loop)
-        print(f"{r['dtype']:>9} {r['case']:>22} {r['linears_kernel']:>10}" + cells)
+        print(f"{r['dtype']:>9} {r['case']:>22} {r['linears_kernel']:>10}" + cells
+              + f"{r['floor_ms'] / r['step_ms']:>11.0%}")
+    for dtype in {r["dtype"]: r for r in rows}.values():
+        print(f"{dtype['dtype']}: floor = weights + cached K/V read at {dtype['read_gb_per_s']} GB/s, or the "
+              f"arithmetic at {dtype['matmul_tflops']} TFLOPS (oneDNN matmul), both measured in this run")
     results = {"parts": rows}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))

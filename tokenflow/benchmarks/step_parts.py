@@ -11,7 +11,9 @@ so both columns come from one run; medians over the repeats. Decode steps also a
 engine's own form of them where it has one, all layers in one C call (`NativeDecodeLayers`, "C loop"):
 its step time only, as nothing inside it is a Python call to time, and the head (with the final norm);
 with an fp32 greedy head (`tokenflow.runtime.cpu.greedy_head`), also as greedy steps take it ("C+greedy":
-the rows' tokens from bf16 estimates instead of the fp32 logits).
+the rows' tokens from bf16 estimates instead of the fp32 logits). Each case also has its floor on this machine
+(`step_floor`: the weights and cached K/V read at the memory read rate, or the arithmetic at the matmul rate, both
+measured in the same run by `machine_limits`), so a step reads as a fraction of what the hardware allows.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ("step_parts",)
+__all__ = ("machine_limits", "step_floor", "step_parts")
 
 CONTEXT = 350  # cached tokens of each decoding sequence
 
@@ -87,6 +89,42 @@ def _linears(runner: Any, kernel: str, c_loop: Any) -> Iterator[None]:
         runner.fused.native_layers = None
 
 
+def machine_limits(dtype: torch.dtype) -> dict[str, float]:
+    """This machine's limits, measured now (best of ten): the memory read rate (a sum over 512 MiB, every thread)
+    and the `dtype` matmul rate (512 x 4096 x 4096 on oneDNN's packed weights, as prefill chunks run), for the
+    steps' floors."""
+    from tokenflow.runtime.cpu.packed_linear import packed_linear
+
+    data = torch.ones(2**27, dtype=torch.float32)  # 512 MiB: far past every cache
+    x, weight = torch.randn(512, 4096).to(dtype), torch.randn(4096, 4096).to(dtype)
+    linear = packed_linear(weight, None) or (lambda rows: torch.nn.functional.linear(rows, weight))  # the prefills'
+    read, flops = [], []
+    for _ in range(10):
+        started = time.perf_counter()
+        data.sum()
+        read.append(data.numel() * 4 / (time.perf_counter() - started))
+        started = time.perf_counter()
+        linear(x)
+        flops.append(2 * 512 * 4096 * 4096 / (time.perf_counter() - started))
+    return {"read_bytes_per_s": max(read), "flops_per_s": max(flops)}
+
+
+def step_floor(model: torch.nn.Module, rows: int, attended: int, kv_tokens: int, limits: dict[str, float]) -> float:
+    """The least a step can take here, in ms: every layer weight, the head and `kv_tokens` tokens of cached K/V
+    read once at the measured read rate, or the step's arithmetic (2 per weight per row, 4 per head dimension per
+    attended key; `attended`: keys summed over the rows) at the measured matmul rate, whichever is longer."""
+    config = model.config
+    layers = model.model.layers
+    head = model.lm_head.weight
+    weights = sum(p.numel() * p.element_size() for p in layers.parameters()) + head.numel() * head.element_size()
+    head_dim = layers[0].self_attn.head_dim
+    kv_row = 2 * len(layers) * config.num_key_value_heads * head_dim * head.element_size()  # bytes per token
+    memory = weights + kv_row * kv_tokens
+    arithmetic = (2 * rows * weights // head.element_size()
+                  + 4 * len(layers) * config.num_attention_heads * head_dim * attended)
+    return 1e3 * max(memory / limits["read_bytes_per_s"], arithmetic / limits["flops_per_s"])
+
+
 def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[dict[str, Any]]:
     """Rows of (case, linears kernel, step ms and ms per part) for one dtype."""
     from transformers import AutoModelForCausalLM
@@ -117,6 +155,13 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
         runner.execute([SeqChunk(ids(CONTEXT, 7, 31 * i), 0, table, False)])
     prefill_table = pool.allocate(pool.blocks_needed(812))
     runner.execute([SeqChunk(ids(300, 13, 50), 0, prefill_table, False)])
+    limits = machine_limits(dtype)
+    floors = {  # rows, keys attended over the rows, cached tokens read
+        "decode, batch 1": step_floor(model, 1, CONTEXT + 1, CONTEXT, limits),
+        "decode, batch 16": step_floor(model, 16, 16 * (CONTEXT + 1), 16 * CONTEXT, limits),
+        "prefill 512 from 0": step_floor(model, 512, sum(range(1, 513)), 0, limits),
+        "prefill 512 after 300": step_floor(model, 512, sum(range(301, 813)), 300, limits),
+    }
     cases = {
         "decode, batch 1": [SeqChunk([101], CONTEXT, tables[0], True)],
         "decode, batch 16": [SeqChunk([100 + i], CONTEXT, tables[i], True) for i in range(16)],
@@ -149,7 +194,9 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
                 samples[kernel].append(parts)
         for kernel, runs in samples.items():
             label = "post-ops" if kernel == "few-rows" and case.startswith("prefill") else kernel
-            row = {"dtype": str(dtype).removeprefix("torch."), "case": case, "linears_kernel": label}
+            row = {"dtype": str(dtype).removeprefix("torch."), "case": case, "linears_kernel": label,
+                   "floor_ms": round(floors[case], 2), "read_gb_per_s": round(limits["read_bytes_per_s"] / 1e9, 1),
+                   "matmul_tflops": round(limits["flops_per_s"] / 1e12, 2)}
             for key in ("step", "linears", "head", "attention", "norms", "rest"):
                 timed = not kernel.startswith("C") or key in ("step", "head")  # the head runs after the loop
                 row[f"{key}_ms"] = round(statistics.median(r.get(key, 0.0) for r in runs), 2) if timed else None
