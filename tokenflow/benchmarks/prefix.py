@@ -11,8 +11,10 @@ Two tables from one run, on one model:
 * Time to first token of one request whose long prefix is: not cached
   (recompute), resident in the pool, on disk without a prefetcher (loaded
   when the batcher admits it), and on disk with the prefetcher while the
-  request waits behind a busy one (the load overlaps the wait). The disk is
-  this machine's disk through the OS page cache, as in a warm restart.
+  request waits behind a busy one (the load overlaps the wait); then a queue
+  of requests sent at once, each with its own prefix on disk, without and with
+  the prefetcher (the later ones' loads overlap the earlier ones' turns). The
+  disk is this machine's disk through the OS page cache, as in a warm restart.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any
 import anyio
 
 from tokenflow.engine import Engine
+
+QUEUED = 4  # requests in the queue case of the TTFT table
 
 __all__ = ("add_arguments", "hit_rate_workload", "run_bench_prefix", "run_hit_rate", "run_ttft")
 
@@ -93,11 +97,32 @@ async def _queued_ttft(engine: Engine, prompt: list[int], busy: list[int], busy_
     return result[0]
 
 
-async def run_ttft(model: str, prefix_tokens: int, vocab: int, **settings: Any) -> list[dict[str, Any]]:
+async def _queue_ttfts(engine: Engine, prompts: list[list[int]], busy: list[int],
+                       busy_tokens: int) -> list[tuple[float, int]]:
+    """(TTFT, cached tokens) of `prompts`, sent at once while `busy` occupies the engine's only sequence slot."""
+    ttfts: list[tuple[float, int]] = []
+
+    async def one(prompt: list[int]) -> None:
+        ttfts.append(await _ttft(engine, prompt))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: engine.generate(busy, max_tokens=busy_tokens, temperature=0.0, ignore_eos=True))
+        await anyio.sleep(0.05)
+        for prompt in prompts:
+            tg.start_soon(one, prompt)
+    return sorted(ttfts)
+
+
+async def run_ttft(model: str, prefix_tokens: int, vocab: int, queued: int = QUEUED,
+                   **settings: Any) -> list[dict[str, Any]]:
     rng = random.Random(1)
-    prefix = [rng.randrange(100, vocab) for _ in range(prefix_tokens)]
-    prompt = prefix + [rng.randrange(100, vocab) for _ in range(12)]
-    busy = [rng.randrange(100, vocab) for _ in range(64)]
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    prompt = tokens(prefix_tokens) + tokens(12)
+    busy = tokens(64)
+    queue = [tokens(prefix_tokens) + tokens(12) for _ in range(queued)]  # each its own prefix
     rows = []
 
     def row(case: str, ttft: float, cached: int, note: str = "") -> None:
@@ -108,6 +133,8 @@ async def run_ttft(model: str, prefix_tokens: int, vocab: int, **settings: Any) 
             await _ttft(engine, busy)  # warm-up: first-call costs out of the way
             row("recompute (not cached)", *await _ttft(engine, prompt))
             row("pool hit", *await _ttft(engine, prompt))
+            for other in queue:  # their prefixes reach the disk tier too
+                await _ttft(engine, other)
         async with Engine(model, cache_dir=folder, prefetch=False, **settings) as engine:
             await _ttft(engine, busy)
             row("disk hit, no prefetch", *await _ttft(engine, prompt), note="loaded at admission")
@@ -122,6 +149,15 @@ async def run_ttft(model: str, prefix_tokens: int, vocab: int, **settings: Any) 
             row("disk hit, prefetch, queued", ttft, cached,
                 note=f"behind a 16-token request; prefetch in time {stats['disk_prefetch_in_time']}, "
                      f"late {stats['disk_prefetch_late']}")
+        for prefetch in (False, True):  # a queue: each request waits for the ones ahead, its prefix on disk
+            async with Engine(model, cache_dir=folder, prefetch=prefetch, max_num_seqs=1, **settings) as engine:
+                await _ttft(engine, busy)
+                ttfts = await _queue_ttfts(engine, queue, busy, 16)
+                late = engine.stats().get("disk_prefetch_late", 0) if prefetch else None
+            mean = sum(t for t, _ in ttfts) / len(ttfts)
+            row(f"{queued} disk hits queued, {'prefetch' if prefetch else 'no prefetch'}", mean,
+                sum(c for _, c in ttfts), note=f"mean TTFT of {queued} sent at once behind a 16-token request (last "
+                f"{ttfts[-1][0] * 1e3:.0f} ms)" + (f"; loads late {late}" if late is not None else ""))
     return rows
 
 
