@@ -370,3 +370,38 @@ def test_the_last_layer_runs_past_attention_only_for_the_sampled_rows(monkeypatc
     assert rows == [2]  # of 29 rows
     want = torch.stack([reference_logits(ref, long)[-1], reference_logits(ref, short)[-1]])
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_released_weights_go_as_the_layers_are_built_and_the_self_check_still_judges(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """release_weights: each HF layer's linear weights go once the fused layers hold packed copies (the load never
+    holds three copies), the self-check's reference having run the real weights first: greedy output still equals
+    generate's, and a fused loop that computes wrong still fails the check."""
+    from tokenflow.runtime import fused_layers
+    from tokenflow.runtime.cpu.packed_linear import packed_dtypes
+
+    if dtype not in packed_dtypes():
+        pytest.skip("oneDNN packs no weights of this dtype here: the loop reads the model's own")
+    model = build("qwen3", dtype)
+    ref = copy.deepcopy(model)
+    cache = KVCache.for_model(model.config, num_blocks=64, block_size=BLOCK, dtype=dtype)
+    runner = PagedModelRunner(model, cache, release_weights=True)
+    assert runner.fused is not None and runner.fused.released and runner.fused.released_bytes > 0
+    assert all(p.numel() == 0 for n, p in model.named_parameters() if n.endswith("proj.weight"))
+    pool = BlockPool(64, BLOCK)
+    prompt = list(range(3, 20))
+    seq = Seq(prompt)
+    logits = runner.execute([seq.chunk(pool, 32)])
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0, -1].float()
+    if dtype == torch.float32:
+        assert int(logits[0].argmax()) == int(want.argmax())
+    assert ((logits[0] - want).norm() / want.norm()).item() < (1e-4 if dtype == torch.float32 else 3e-2)
+    pool.free(seq.blocks)
+
+    original = fused_layers._gated_product
+    monkeypatch.setattr(fused_layers, "_gated_product", lambda *a: original(*a) * 1.5)  # a wrong MLP
+    cache = KVCache.for_model(ref.config, num_blocks=64, block_size=BLOCK, dtype=dtype)
+    with pytest.raises(ModelLoadError, match="differ"):
+        PagedModelRunner(copy.deepcopy(ref), cache, release_weights=True)

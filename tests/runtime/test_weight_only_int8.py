@@ -22,7 +22,9 @@ def _dequantized(linear) -> torch.Tensor:
 async def test_weight_only_int8_layers_run_their_int8_weights(tiny_model) -> None:
     from transformers import AutoModelForCausalLM
 
-    async with Engine(tiny_model, dtype="float32", prefix_caching=False, debug_leaks=True) as engine:
+    # unpacked weights, as on CUDA: the fused layers read the model's own (a packed CPU engine releases them)
+    async with Engine(tiny_model, dtype="float32", prefix_caching=False, debug_leaks=True,
+                      pack_cpu_weights=False) as engine:
         done = await engine.generate(PROMPT, max_tokens=1, temperature=0.0, prompt_logprobs=0)
         float_logprobs = [entry[t] for t, entry in zip(PROMPT[1:], done.prompt_logprobs[1:])]
         fused = engine._loop.backend.runner.fused

@@ -225,10 +225,24 @@ def _native_layers(layers: list[_Layer], family: LayerFamily, native: NativeKern
     return NativeDecodeLayers(native, weights, epsilons.pop(), weights[0].o.weight.n, inter, dtype)
 
 
+def _release_layer(layer: torch.nn.Module, family: LayerFamily) -> int:
+    """Empty `layer`'s linear weights (as `family` names them) and drop their resident pages; their bytes."""
+    attention, mlp = layer.self_attn, layer.mlp
+    modules = [getattr(attention, name) for name in (*family.qkv, "o_proj")]
+    modules += [getattr(mlp, name) for name in (*family.gate_up, "down_proj")]
+    weights = [module.weight.detach() for module in modules]
+    for module in modules:
+        module.weight = torch.nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
+    drop_resident_pages(weights)  # a checkpoint's mapping outlives them (the embedding holds it)
+    return sum(w.numel() * w.element_size() for w in weights)
+
+
 def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False, post_ops: bool = False,
-                      native: NativeKernels | None = None, max_context: int | None = None) -> FusedDecoder | None:
+                      native: NativeKernels | None = None, max_context: int | None = None,
+                      release_layers: bool = False) -> FusedDecoder | None:
     """A FusedDecoder over `model`'s weights, or None when its layers are not the shape it runs (`max_context`:
-    the longest context the runner allows; a model-native window at least that long masks nothing)."""
+    the longest context the runner allows; a model-native window at least that long masks nothing;
+    `release_layers`: see FusedDecoder)."""
     family = family_for(model.config, max_context)
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
@@ -240,15 +254,18 @@ def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = Fa
     if not all(describes(layer, family) for layer in layers):
         return None
     with torch.no_grad():
-        return FusedDecoder(model, family, pack=pack, few_rows=few_rows, post_ops=post_ops, native=native)
+        return FusedDecoder(model, family, pack=pack, few_rows=few_rows, post_ops=post_ops, native=native,
+                            release_layers=release_layers)
 
 
 class FusedDecoder:
     """Runs `model`'s decoder and head on a packed step; see the module doc."""
 
     def __init__(self, model: torch.nn.Module, family: LayerFamily, *, pack: bool, few_rows: bool = False,
-                 post_ops: bool = False, native: NativeKernels | None = None) -> None:
-        """`model`'s layers are ones `family` describes (`layer_families.describes`)."""
+                 post_ops: bool = False, native: NativeKernels | None = None, release_layers: bool = False) -> None:
+        """`model`'s layers are ones `family` describes (`layer_families.describes`). With `release_layers`, each
+        HF layer's linear weights go as soon as the loop holds its copies of them (`release_layer_weights`, one
+        layer at a time: the load's peak holds two copies of the weights, not three)."""
         base = model.model
         # a GGUF model's linears are ggml blocks: they run as they are (no packed copies, no few-rows panels)
         quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
@@ -262,6 +279,7 @@ class FusedDecoder:
         self.owns_layer_weights = (pack and not quantized and weight.device.type == "cpu"
                                    and weight.dtype in packed_dtypes())
         self.released = False
+        self.released_bytes = 0
         self.family = family
         self.embed = base.embed_tokens
         self.embed_multiplier = embedding_multiplier(model, family)
@@ -299,6 +317,10 @@ class FusedDecoder:
                 rope=layer_types[index] if layer_types else None,
                 o_residual=fused_ops and fused_ops[0], mlp=fused_ops and fused_ops[1],
             ))
+            if release_layers and self.owns_layer_weights:
+                del w  # the layer's own tensors, in its concatenations
+                self.released_bytes += _release_layer(layer, family)
+        self.released = release_layers and self.owns_layer_weights
         modules = layer_linears(base.layers[-1], family)
         self.intermediate = modules.down.in_features
         self.num_kv_heads = (sum(p.out_features for p in modules.qkv) // self.head_dim - self.num_heads) // 2
@@ -333,22 +355,13 @@ class FusedDecoder:
         """Drop the HF layers' linear weights (each module's weight becomes an empty tensor): the loop runs its own
         copies (`replaced`: every layer linear was swapped for one holding its own, int8's), and a second
         model-sized copy is memory an embedding app needs. The HF modules cannot run after this, nor
-        `linear_weights`. Returns the bytes released (0 where the loop still reads the model's)."""
+        `linear_weights`. Returns the bytes released now (0 where the loop still reads the model's, or they
+        went as the layers were built: `released_bytes`)."""
         if not (self.owns_layer_weights or replaced) or self.released:
             return 0
-        model, family = self.model, self.family
-        empty = torch.nn.Parameter(torch.empty(0, dtype=model.lm_head.weight.dtype), requires_grad=False)
-        weights = []
-        for layer in model.model.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            modules = [getattr(attention, name) for name in (*family.qkv, "o_proj")]
-            modules += [getattr(mlp, name) for name in (*family.gate_up, "down_proj")]
-            for module in modules:
-                weights.append(module.weight.detach())
-                module.weight = empty
-        drop_resident_pages(weights)  # a checkpoint's mapping outlives them (the embedding holds it)
-        self.released = True
-        return sum(w.numel() * w.element_size() for w in weights)
+        released = sum(_release_layer(layer, self.family) for layer in self.model.model.layers)
+        self.released, self.released_bytes = True, released
+        return released
 
     def linears(self) -> dict[str, Linear]:
         """The callables the loop runs, by the names of `linear_weights`."""

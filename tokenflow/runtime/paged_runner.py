@@ -202,6 +202,7 @@ class PagedModelRunner:
         native_kernels: bool = True,
         fused_layers: bool = True,
         pack_weights: bool = True,
+        release_weights: bool = False,
     ) -> None:
         check_model_supported(model, max_model_len)
         _check_cache_matches(model, kv_cache)
@@ -251,12 +252,16 @@ class PagedModelRunner:
         # fewer than transformers' separate ops; torch-ops mode keeps the reference arithmetic)
         fast = pack_weights and native_kernels
         context = max_model_len or getattr(model.config, "max_position_embeddings", None)
+        # release_weights: the HF layers' weights go as the fused layers copy them (packed); the self-check's
+        # reference, which runs them, comes first
+        references = self._self_check_references() if self_check and release_weights and fused_layers else None
         self.fused = fused_decoder_for(model, pack=pack_weights, few_rows=fast, post_ops=fast, native=self.native,
-                                       max_context=context) if fused_layers else None
+                                       max_context=context, release_layers=release_weights) if fused_layers else None
         self.graphs: DecodeGraphs | None = None  # decode-only steps at fixed shapes (set by the backend)
-        self._switch_to_paged_attention(self_check)
+        self._switch_to_paged_attention(self_check, references)
 
-    def _switch_to_paged_attention(self, self_check: bool) -> None:
+    def _switch_to_paged_attention(self, self_check: bool,
+                                   references: dict[str, torch.Tensor] | None = None) -> None:
         """Make the model call tokenflow's attention for good, and check it against the model's own;
         a model that refuses is left as it came, so that a caller can fall back to the `hf` backend."""
         model = self.model
@@ -266,7 +271,7 @@ class PagedModelRunner:
             if model.config._attn_implementation != ATTENTION_NAME:
                 raise ModelLoadError(f"{type(model).__name__} refuses custom attention implementations")
             if self_check:
-                self.self_check()
+                self.self_check(references)
         except Exception as e:
             model.set_attn_implementation(self._reference_attention)
             if isinstance(e, ModelLoadError):
@@ -479,18 +484,33 @@ class PagedModelRunner:
             ref_b = self.model(torch.tensor([b], device=self.device), use_cache=False).logits[0].float()  # [7, vocab]
         return torch.stack([ref_b[4], ref_b[5], ref_a[9], ref_a[10], ref_b[6]])
 
-    def self_check(self) -> None:
+    def _self_check_prompts(self) -> tuple[list[int], list[int]]:
+        """The self-check's two prompts (11 and 7 tokens, seeded)."""
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randint(0, vocab, (11,), generator=gen).tolist()
+        return a, torch.randint(0, vocab, (7,), generator=gen).tolist()
+
+    def _self_check_references(self) -> dict[str, torch.Tensor]:
+        """The model's own rows for `self_check`, through each attention it may compare with (the second only in
+        bf16 and fp16, where it measures the rounding floor): computed while the HF modules can still run."""
+        a, b = self._self_check_prompts()
+        names = [self._check_attention]
+        if self.dtype != torch.float32:
+            names.append("sdpa" if self._check_attention != "sdpa" else "eager")
+        return {name: self._reference_rows(name, a, b) for name in names}
+
+    def self_check(self, references: dict[str, torch.Tensor] | None = None) -> None:
         """Compare paged logits with the model's own attention on a short mixed workload.
 
         Two sequences over three steps in a private scratch cache: a first prefill chunk,
         a second chunk at an offset next to a whole short prompt, then decodes with different
         context lengths. Raises ModelLoadError when the model sends arguments paged attention
-        does not implement, bypasses it, or the logits differ beyond tolerance.
+        does not implement, bypasses it, or the logits differ beyond tolerance. `references`: the model's own
+        rows by attention (`_self_check_references`), where they were computed before its weights were released.
         """
-        vocab = int(self.model.config.get_text_config().vocab_size)
-        gen = torch.Generator().manual_seed(0)
-        a = torch.randint(0, vocab, (11,), generator=gen).tolist()
-        b = torch.randint(0, vocab, (7,), generator=gen).tolist()
+        a, b = self._self_check_prompts()
+        references = references or {}
         bs = self.block_size
         need_a, need_b = -(-len(a) // bs), -(-len(b) // bs)
         scratch = KVCache(
@@ -528,14 +548,19 @@ class PagedModelRunner:
                 f"(layers seen: {sorted(set(calls))})"
             )
         got = torch.cat(ours)  # rows: b4 | b5, a9 | a10, b6
-        want = self._reference_rows(self._check_attention, a, b)
+        want = references.get(self._check_attention)
+        if want is None:
+            want = self._reference_rows(self._check_attention, a, b)
         err = _relative_error(got, want)
         tol = self.self_check_tolerance
         if not err <= tol and self.dtype != torch.float32:
             # The model's own two attention implementations differ by rounding too, and in a deep model it grows
             # past the fixed bound: allow a few times that measured floor (a wrong mask or slot is ~100x it).
             other = "sdpa" if self._check_attention != "sdpa" else "eager"
-            tol = max(tol, ROUNDING_FLOOR_FACTOR * _relative_error(self._reference_rows(other, a, b), want))
+            floor = references.get(other)
+            if floor is None:
+                floor = self._reference_rows(other, a, b)
+            tol = max(tol, ROUNDING_FLOOR_FACTOR * _relative_error(floor, want))
         if not err <= tol:
             raise ModelLoadError(
                 f"{type(self.model).__name__}: paged attention logits differ from the model's own "

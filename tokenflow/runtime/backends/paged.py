@@ -168,6 +168,7 @@ class PagedBackend:
             native_kernels=config.native_kernels,
             fused_layers=config.fused_layers and not config.compile,  # compile works on the HF modules
             pack_weights=config.pack_cpu_weights and config.quantization is None,
+            release_weights=True,  # where the fused layers run packed copies, the HF layers' weights go
         )
         self._prepare_layers(ctx, model)
         if profile:  # the pool from what the measured step leaves free
@@ -203,12 +204,11 @@ class PagedBackend:
             compile_mlps(model, set(self.buckets))
         elif config.pack_cpu_weights and self.runner.fused is None:  # the fused layers pack their own
             pack_linears(model)
-        released = 0
-        if self.runner.fused is not None and config.quantization is None:  # the fused layers run copies of
-            released = self.runner.fused.release_layer_weights()  # their own: the HF layers' weights can go
-            if released:
-                log.info("released the HF layers' weights (%.0f MiB): the fused layers run packed copies",
-                         released / 2**20)
+        fused = self.runner.fused  # its released float weights count as the weights it runs; not int8's
+        released = fused.released_bytes if fused is not None and config.quantization is None else 0
+        if released:
+            log.info("released the HF layers' weights (%.0f MiB): the fused layers run packed copies",
+                     released / 2**20)
         self.weight_bytes = self.int8_bytes + released + _parameter_bytes(model)  # the weights as they run, once
 
     def _pool_after_profile(self, ctx: EngineContext, per_block: int) -> int:
