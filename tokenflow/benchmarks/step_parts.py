@@ -155,13 +155,6 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
         runner.execute([SeqChunk(ids(CONTEXT, 7, 31 * i), 0, table, False)])
     prefill_table = pool.allocate(pool.blocks_needed(812))
     runner.execute([SeqChunk(ids(300, 13, 50), 0, prefill_table, False)])
-    limits = machine_limits(dtype)
-    floors = {  # rows, keys attended over the rows, cached tokens read
-        "decode, batch 1": step_floor(model, 1, CONTEXT + 1, CONTEXT, limits),
-        "decode, batch 16": step_floor(model, 16, 16 * (CONTEXT + 1), 16 * CONTEXT, limits),
-        "prefill 512 from 0": step_floor(model, 512, sum(range(1, 513)), 0, limits),
-        "prefill 512 after 300": step_floor(model, 512, sum(range(301, 813)), 300, limits),
-    }
     cases = {
         "decode, batch 1": [SeqChunk([101], CONTEXT, tables[0], True)],
         "decode, batch 16": [SeqChunk([100 + i], CONTEXT, tables[i], True) for i in range(16)],
@@ -194,11 +187,19 @@ def step_parts(model_path: str, dtype: torch.dtype, repeats: int = 10) -> list[d
                 samples[kernel].append(parts)
         for kernel, runs in samples.items():
             label = "post-ops" if kernel == "few-rows" and case.startswith("prefill") else kernel
-            row = {"dtype": str(dtype).removeprefix("torch."), "case": case, "linears_kernel": label,
-                   "floor_ms": round(floors[case], 2), "read_gb_per_s": round(limits["read_bytes_per_s"] / 1e9, 1),
-                   "matmul_tflops": round(limits["flops_per_s"] / 1e12, 2)}
+            row = {"dtype": str(dtype).removeprefix("torch."), "case": case, "linears_kernel": label}
             for key in ("step", "linears", "head", "attention", "norms", "rest"):
                 timed = not kernel.startswith("C") or key in ("step", "head")  # the head runs after the loop
                 row[f"{key}_ms"] = round(statistics.median(r.get(key, 0.0) for r in runs), 2) if timed else None
             rows.append(row)
+    limits = machine_limits(dtype)  # after the steps: its 512 MiB and matmuls do not disturb them
+    floors = {  # rows, keys attended over the rows, cached tokens read
+        "decode, batch 1": step_floor(model, 1, CONTEXT + 1, CONTEXT, limits),
+        "decode, batch 16": step_floor(model, 16, 16 * (CONTEXT + 1), 16 * CONTEXT, limits),
+        "prefill 512 from 0": step_floor(model, 512, sum(range(1, 513)), 0, limits),
+        "prefill 512 after 300": step_floor(model, 512, sum(range(301, 813)), 300, limits),
+    }
+    for row in rows:
+        row.update(floor_ms=round(floors[row["case"]], 2), read_gb_per_s=round(limits["read_bytes_per_s"] / 1e9, 1),
+                   matmul_tflops=round(limits["flops_per_s"] / 1e12, 2))
     return rows
