@@ -135,12 +135,13 @@ def _gated_down(layer: _Layer, gate_up: torch.Tensor, inter: int, residual: torc
     the add."""
     down, out_norm = layer.down, layer.mlp_out_norm
     gated = getattr(down, "gated", None) if layer.activation is None else None
-    product = (lambda: _gated_product(gate_up, inter, layer.activation, native))  # noqa: E731
-    if out_norm is not None:
-        return residual + out_norm(gated(gate_up) if gated is not None else down(product()))
     if gated is not None:
-        return residual + gated(gate_up)
-    return _add_linear(down, product(), residual)
+        out = gated(gate_up)
+        return residual + (out_norm(out) if out_norm is not None else out)
+    product = _gated_product(gate_up, inter, layer.activation, native)
+    if out_norm is not None:
+        return residual + out_norm(down(product))
+    return _add_linear(down, product, residual)
 
 
 def _head_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module, heads: int, kv_heads: int,

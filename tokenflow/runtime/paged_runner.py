@@ -254,7 +254,12 @@ class PagedModelRunner:
         context = max_model_len or getattr(model.config, "max_position_embeddings", None)
         # release_weights: the HF layers' weights go as the fused layers copy them (packed); the self-check's
         # reference, which runs them, comes first
-        references = self._self_check_references() if self_check and release_weights and fused_layers else None
+        references = None
+        if self_check and release_weights and fused_layers:
+            try:
+                references = self._self_check_references()
+            except Exception as e:  # the model's own forward fails: the self-check would have said so
+                raise ModelLoadError(f"cannot run {type(model).__name__}'s own forward for the self-check: {e}") from e
         self.fused = fused_decoder_for(model, pack=pack_weights, few_rows=fast, post_ops=fast, native=self.native,
                                        max_context=context, release_layers=release_weights) if fused_layers else None
         self.graphs: DecodeGraphs | None = None  # decode-only steps at fixed shapes (set by the backend)
