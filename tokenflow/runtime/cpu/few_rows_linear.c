@@ -57,7 +57,7 @@ int few_rows_f32_available(void)
 /* 16 bf16 values as floats (exact). */
 static inline __m512 widen_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
 
-/* How far ahead of its use (in k-steps of one 64-byte line per sub-panel) a bf16 pass prefetches its panel */
+/* How far ahead of its use (in k-steps of one 64-byte line per sub-panel) a pass prefetches its panel */
 #define STREAM_AHEAD 32
 
 /* Lines of the next panel a pass fetches into L2 (`lines` from `at`), spread evenly over its k-steps. */
@@ -138,6 +138,9 @@ static inline __attribute__((always_inline)) void tile_f32(const int mr, const f
     for (int64_t j = 0; j < k; ++j) {
         if (ahead.lines)
             fetch_ahead(&ahead, j, k);
+        else /* as tile_bf16's (1 and 4 rows: 5-15% more GB/s) */
+            for (int h = 0; h < NV; ++h)
+                __builtin_prefetch(panel + (h * k + j + STREAM_AHEAD) * 16, 0, 2);
         __m512 wv[NV];
         for (int h = 0; h < NV; ++h)
             wv[h] = _mm512_loadu_ps(panel + (h * k + j) * 16);
