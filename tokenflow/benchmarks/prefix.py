@@ -87,16 +87,6 @@ async def _ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
     raise RuntimeError("no output")
 
 
-async def _queued_ttft(engine: Engine, prompt: list[int], busy: list[int], busy_tokens: int) -> tuple[float, int]:
-    """TTFT of `prompt` sent while `busy` occupies the engine's only sequence slot."""
-    result: list[tuple[float, int]] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: engine.generate(busy, max_tokens=busy_tokens, temperature=0.0, ignore_eos=True))
-        await anyio.sleep(0.05)
-        result.append(await _ttft(engine, prompt))
-    return result[0]
-
-
 async def _queue_ttfts(engine: Engine, prompts: list[list[int]], busy: list[int],
                        busy_tokens: int) -> list[tuple[float, int]]:
     """(TTFT, cached tokens) of `prompts`, sent at once while `busy` occupies the engine's only sequence slot."""
@@ -140,11 +130,11 @@ async def run_ttft(model: str, prefix_tokens: int, vocab: int, queued: int = QUE
             row("disk hit, no prefetch", *await _ttft(engine, prompt), note="loaded at admission")
         async with Engine(model, cache_dir=folder, prefetch=False, max_num_seqs=1, **settings) as engine:
             await _ttft(engine, busy)
-            row("disk hit, no prefetch, queued", *await _queued_ttft(engine, prompt, busy, 16),
+            row("disk hit, no prefetch, queued", *(await _queue_ttfts(engine, [prompt], busy, 16))[0],
                 note="behind a 16-token request")
         async with Engine(model, cache_dir=folder, max_num_seqs=1, **settings) as engine:
             await _ttft(engine, busy)
-            ttft, cached = await _queued_ttft(engine, prompt, busy, 16)
+            (ttft, cached), = await _queue_ttfts(engine, [prompt], busy, 16)
             stats = engine.stats()
             row("disk hit, prefetch, queued", ttft, cached,
                 note=f"behind a 16-token request; prefetch in time {stats['disk_prefetch_in_time']}, "

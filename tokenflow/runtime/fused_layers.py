@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, UnsupportedAttentionFeature
 from tokenflow.runtime.cpu.decode_layers import DecodeLayerWeights, NativeDecodeLayers
 from tokenflow.runtime.cpu.few_rows_linear import FEW_ROWS, FewRowsLinear, few_rows_linear
-from tokenflow.runtime.cpu.gguf_linear import QuantizedLinear, StackedLinear
+from tokenflow.runtime.cpu.gguf_linear import GGUFKernels, QuantizedLinear, StackedLinear
 from tokenflow.runtime.cpu.greedy_head import greedy_head_for
 from tokenflow.runtime.cpu.native_kernels import NativeKernels
 from tokenflow.runtime.cpu.packed_linear import (
@@ -57,7 +57,7 @@ from tokenflow.runtime.layer_families import (
 )
 from tokenflow.runtime.sampler import GreedyTokens
 
-__all__ = ("FusedDecoder", "fused_decoder_for")
+__all__ = ("FusedDecoder", "fused_decoder_for", "runs_own_copies")
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 Norm = Callable[[torch.Tensor], torch.Tensor]
@@ -226,6 +226,19 @@ def _native_layers(layers: list[_Layer], family: LayerFamily, native: NativeKern
     return NativeDecodeLayers(native, weights, epsilons.pop(), weights[0].o.weight.n, inter, dtype)
 
 
+def _gguf_kernels(model: torch.nn.Module) -> GGUFKernels | None:
+    """The GGUF kernels `model`'s linears run on (a GGUF model's), or None."""
+    return next((m.kernels for m in model.modules() if isinstance(m, QuantizedLinear)), None)
+
+
+def runs_own_copies(model: torch.nn.Module, pack: bool) -> bool:
+    """Whether a FusedDecoder over `model` (with `pack`) runs every layer linear from copies of its own (oneDNN's
+    packed layout, the few-rows panels), so that the HF layers' weights can go once nothing else reads them."""
+    weight = model.lm_head.weight
+    return (pack and _gguf_kernels(model) is None and weight.device.type == "cpu"
+            and weight.dtype in packed_dtypes())
+
+
 def _release_layer(layer: torch.nn.Module, family: LayerFamily) -> int:
     """Empty `layer`'s linear weights (as `family` names them) and drop their resident pages; their bytes."""
     attention, mlp = layer.self_attn, layer.mlp
@@ -268,19 +281,17 @@ class FusedDecoder:
         HF layer's linear weights go as soon as the loop holds its copies of them (`release_layer_weights`, one
         layer at a time: the load's peak holds two copies of the weights, not three)."""
         base = model.model
-        # a GGUF model's linears are ggml blocks: they run as they are (no packed copies, no few-rows panels)
-        quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+        # a GGUF model's linears are ggml blocks: they run as they are (no packed copies, no few-rows panels);
+        # bf16 decode rows against K-quants in int8 (gguf_blocks.c) on decode-only steps, as the AMX tiles below
+        self._gguf_kernels = _gguf_kernels(model)
+        quantized = self._gguf_kernels is not None
         if quantized:
             pack = few_rows = post_ops = False
+        release = release_layers and runs_own_copies(model, pack)
         self.native = native  # bf16, fp32: RoPE on Q and K and the SiLU product as one C call each
         self.model = model
-        # every layer linear runs from copies of its own (oneDNN's packed layout, the few-rows panels): the HF
-        # layers' weights can go once the self-check and int8's quantisation have read them
-        weight = model.lm_head.weight
-        self.owns_layer_weights = (pack and not quantized and weight.device.type == "cpu"
-                                   and weight.dtype in packed_dtypes())
-        self.released = False
-        self.released_bytes = 0
+        self.released = release  # the HF layers' linear weights (release_layer_weights)
+        self.released_bytes = 0  # of them, where the loop runs copies of them
         self.family = family
         self.embed = base.embed_tokens
         self.embed_multiplier = embedding_multiplier(model, family)
@@ -318,10 +329,9 @@ class FusedDecoder:
                 rope=layer_types[index] if layer_types else None,
                 o_residual=fused_ops and fused_ops[0], mlp=fused_ops and fused_ops[1],
             ))
-            if release_layers and self.owns_layer_weights:
+            if release:
                 del w  # the layer's own tensors, in its concatenations
                 self.released_bytes += _release_layer(layer, family)
-        self.released = release_layers and self.owns_layer_weights
         modules = layer_linears(base.layers[-1], family)
         self.intermediate = modules.down.in_features
         self.num_kv_heads = (sum(p.out_features for p in modules.qkv) // self.head_dim - self.num_heads) // 2
@@ -332,8 +342,6 @@ class FusedDecoder:
         # steps with a prefill chunk keep the register tile (one arithmetic for a prompt, cached or not)
         self._tiles_on = False
         self._tiles_possible = any(f.kernels.has_tiles for f in self._few_rows)
-        # GGUF: bf16 decode rows against K-quants in int8 (gguf_blocks.c), on decode-only steps for the same reason
-        self._gguf_kernels = next((m.kernels for m in model.modules() if isinstance(m, QuantizedLinear)), None)
         # decode steps that run entirely through the few-rows and native kernels: all layers in one C call
         self.native_layers = _native_layers(self.layers, family, native, self.intermediate)
 
@@ -352,17 +360,14 @@ class FusedDecoder:
         out["lm_head"] = (self.head_weight, None)
         return out
 
-    def release_layer_weights(self, replaced: bool = False) -> int:
-        """Drop the HF layers' linear weights (each module's weight becomes an empty tensor): the loop runs its own
-        copies (`replaced`: every layer linear was swapped for one holding its own, int8's), and a second
-        model-sized copy is memory an embedding app needs. The HF modules cannot run after this, nor
-        `linear_weights`. Returns the bytes released now (0 where the loop still reads the model's, or they
-        went as the layers were built: `released_bytes`)."""
-        if not (self.owns_layer_weights or replaced) or self.released:
-            return 0
-        released = sum(_release_layer(layer, self.family) for layer in self.model.model.layers)
-        self.released, self.released_bytes = True, released
-        return released
+    def release_layer_weights(self) -> None:
+        """Drop the HF layers' linear weights (each module's weight becomes an empty tensor) once every layer
+        linear was swapped for one holding weights of its own (int8's): a second model-sized copy is memory an
+        embedding app needs. The HF modules cannot run after this, nor `linear_weights`."""
+        if not self.released:
+            for layer in self.model.model.layers:
+                _release_layer(layer, self.family)
+            self.released = True
 
     def linears(self) -> dict[str, Linear]:
         """The callables the loop runs, by the names of `linear_weights`."""

@@ -41,7 +41,7 @@ from tokenflow.runtime.attention.snapkv import select_positions
 from tokenflow.runtime.attention.topk import RECENT_BLOCKS, TopkDecode
 from tokenflow.runtime.cpu.native_kernels import load_native_kernels
 from tokenflow.runtime.decode_graphs import DecodeGraphs
-from tokenflow.runtime.fused_layers import fused_decoder_for
+from tokenflow.runtime.fused_layers import fused_decoder_for, runs_own_copies
 from tokenflow.runtime.sampler import GreedyTokens
 
 __all__ = ("PagedModelRunner", "SeqChunk", "check_model_supported")
@@ -254,14 +254,15 @@ class PagedModelRunner:
         context = max_model_len or getattr(model.config, "max_position_embeddings", None)
         # release_weights: the HF layers' weights go as the fused layers copy them (packed); the self-check's
         # reference, which runs them, comes first
+        release = release_weights and fused_layers and runs_own_copies(model, pack_weights)
         references = None
-        if self_check and release_weights and fused_layers:
+        if self_check and release:
             try:
                 references = self._self_check_references()
             except Exception as e:  # the model's own forward fails: the self-check would have said so
                 raise ModelLoadError(f"cannot run {type(model).__name__}'s own forward for the self-check: {e}") from e
         self.fused = fused_decoder_for(model, pack=pack_weights, few_rows=fast, post_ops=fast, native=self.native,
-                                       max_context=context, release_layers=release_weights) if fused_layers else None
+                                       max_context=context, release_layers=release) if fused_layers else None
         self.graphs: DecodeGraphs | None = None  # decode-only steps at fixed shapes (set by the backend)
         self._switch_to_paged_attention(self_check, references)
 

@@ -167,6 +167,6 @@ def _release_float_weights(fused: FusedDecoder) -> None:
     """Drop the float weights the int8 layers replace (not a head tied to the embedding, still read)."""
     model = fused.model
     embedding = model.get_input_embeddings().weight
-    fused.release_layer_weights(replaced=True)
+    fused.release_layer_weights()
     if model.lm_head.weight.data_ptr() != embedding.data_ptr():
         model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=embedding.dtype), requires_grad=False)

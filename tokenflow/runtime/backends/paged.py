@@ -204,8 +204,7 @@ class PagedBackend:
             compile_mlps(model, set(self.buckets))
         elif config.pack_cpu_weights and self.runner.fused is None:  # the fused layers pack their own
             pack_linears(model)
-        fused = self.runner.fused  # its released float weights count as the weights it runs; not int8's
-        released = fused.released_bytes if fused is not None and config.quantization is None else 0
+        released = self.runner.fused.released_bytes if self.runner.fused is not None else 0  # the weights it runs
         if released:
             log.info("released the HF layers' weights (%.0f MiB): the fused layers run packed copies",
                      released / 2**20)

@@ -11,7 +11,7 @@
  *   up to four input rows, the four weight rows' blocks are dequantised 16 values at a time in registers and
  *   multiplied as they come (16 accumulators); more input rows, each chunk of the weight rows is dequantised once
  *   into an L1 buffer and groups of four input rows run over it. bf16 rows (up to 16) against Q4_K and Q6_K go
- *   through int8 and VNNI instead (vnni_few_rows).
+ *   through int8 and VNNI instead (vnni_tile).
  *
  * Formats follow ggml's reference dequantisation (ggml-quants.c): value = d * q (+ offsets) per block, with
  * the K-quants' 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales.
@@ -660,43 +660,32 @@ static inline __attribute__((always_inline)) void vnni_tile(const int format, co
     store_sums(xr, wr, acc, out, ldo, 1);
 }
 
-/* vnni_tile for one format, xr and wr known at compile time where they are the common ones. */
+/* vnni_tile for one format in TileRows' form (x: the quantised rows), xr and wr known at compile time where they are
+ * the common ones; more than XR rows go in groups of XR over the same weight rows (in L1 after the first). */
 #define VNNI_ROWS_OF(F)                                                                                             \
-    static void vnni_##F(int64_t m, int wr, const QuantizedX *x, const uint8_t *w, int64_t row_bytes, int64_t k,  \
-                         void *out, int64_t ldo)                                                                    \
+    static void vnni_##F(int64_t m, int wr, const float *x, const uint8_t *w, int64_t row_bytes, int64_t k,        \
+                         void *out, int64_t ldo, int bf16)                                                          \
     {                                                                                                               \
-        if (wr == WR) {                                                                                             \
-            switch (m) {                                                                                            \
-            case 4: vnni_tile(F, 4, 4, x, w, row_bytes, k, out, ldo); return;                                       \
-            case 3: vnni_tile(F, 3, 4, x, w, row_bytes, k, out, ldo); return;                                       \
-            case 2: vnni_tile(F, 2, 4, x, w, row_bytes, k, out, ldo); return;                                       \
-            default: vnni_tile(F, 1, 4, x, w, row_bytes, k, out, ldo); return;                                      \
+        (void)bf16; /* bf16 rows only */                                                                            \
+        for (int64_t i = 0; i < m; i += XR) {                                                                       \
+            const QuantizedX *rows = (const QuantizedX *)x + i * (k / QK);                                          \
+            uint16_t *to = (uint16_t *)out + i * ldo;                                                               \
+            const int64_t xr = m - i < XR ? m - i : XR;                                                             \
+            if (wr == WR) {                                                                                         \
+                switch (xr) {                                                                                       \
+                case 4: vnni_tile(F, 4, 4, rows, w, row_bytes, k, to, ldo); continue;                               \
+                case 3: vnni_tile(F, 3, 4, rows, w, row_bytes, k, to, ldo); continue;                               \
+                case 2: vnni_tile(F, 2, 4, rows, w, row_bytes, k, to, ldo); continue;                               \
+                default: vnni_tile(F, 1, 4, rows, w, row_bytes, k, to, ldo); continue;                              \
+                }                                                                                                   \
             }                                                                                                       \
+            for (int c = 0; c < wr; ++c) /* the weight's last rows, one at a time */                                \
+                vnni_tile(F, (int)xr, 1, rows, w + c * row_bytes, row_bytes, k, to + c, ldo);                       \
         }                                                                                                           \
-        for (int c = 0; c < wr; ++c) /* the weight's last rows, one at a time */                                    \
-            vnni_tile(F, (int)m, 1, x, w + c * row_bytes, row_bytes, k, (uint16_t *)out + c, ldo);                  \
     }
 VNNI_ROWS_OF(Q4_K)
 VNNI_ROWS_OF(Q6_K)
 #undef VNNI_ROWS_OF
-
-/* gguf_few_rows for bf16 rows (m <= VNNI_ROWS) and a Q4_K or Q6_K weight; `scratch` takes the quantised rows. */
-static void vnni_few_rows(int format, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const uint16_t *x,
-                          int64_t m, void *scratch, uint16_t *out, int64_t ldo)
-{
-    QuantizedX *rows = scratch;
-    for (int64_t i = 0; i < m; ++i)
-        quantize_row(format, x + i * k, k, rows + i * (k / QK));
-    const int64_t passes = (n + WR - 1) / WR;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < passes; ++p) {
-        const int64_t c0 = p * WR;
-        const int wr = n - c0 < WR ? (int)(n - c0) : WR;
-        for (int64_t i = 0; i < m; i += XR)
-            (format == Q4_K ? vnni_Q4_K : vnni_Q6_K)(m - i < XR ? m - i : XR, wr, rows + i * (k / QK),
-                                                      w + c0 * row_bytes, row_bytes, k, out + i * ldo + c0, ldo);
-    }
-}
 #endif
 #endif
 
@@ -712,7 +701,7 @@ int gguf_int8_rows_available(void)
 /* y = x W^T: x [m][k] (bf16 or fp32, rows k apart), W [n][k] in a quantised `format` (rows `row_bytes` apart),
  * y [m][n] rows `ldo` apart in x's dtype. `scratch` holds m * k floats (the rows in fp32, or quantised). Threads
  * split the weight rows four at a time (tile_blocks, tile_chunks; with `int8_rows`, up to VNNI_ROWS bf16 rows
- * against Q4_K or Q6_K: vnni_tile). 0, or -1 where it does not run (no AVX-512, more than MAX_ROWS rows, a dense or
+ * against Q4_K or Q6_K: vnni_tile, the rows quantised into `scratch`). 0, or -1 where it does not run (no AVX-512, more than MAX_ROWS rows, a dense or
  * unknown format, k not a whole number of blocks). */
 int gguf_few_rows(int format, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const void *x, int x_bf16,
                   int64_t m, float *scratch, void *out, int64_t ldo, int int8_rows)
@@ -725,21 +714,24 @@ int gguf_few_rows(int format, const uint8_t *w, int64_t row_bytes, int64_t n, in
         return -1;
     if (m <= 0 || n <= 0) /* a step whose chunks end no prompt asks its head for no rows */
         return 0;
+    TileRows tile = tile_rows;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (x_bf16 && (format == Q4_K || format == Q6_K) && m <= VNNI_ROWS && int8_rows) {
-        vnni_few_rows(format, w, row_bytes, n, k, x, m, scratch, out, ldo);
-        return 0;
+    if (x_bf16 && (format == Q4_K || format == Q6_K) && m <= VNNI_ROWS && int8_rows) { /* the rows in int8 */
+        for (int64_t i = 0; i < m; ++i)
+            quantize_row(format, (const uint16_t *)x + i * k, k, (QuantizedX *)scratch + i * (k / QK));
+        tile = format == Q4_K ? vnni_Q4_K : vnni_Q6_K;
     }
 #endif
-    for (int64_t i = 0; i < m * k; ++i)
-        scratch[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    if (tile == tile_rows) /* the rows in fp32 */
+        for (int64_t i = 0; i < m * k; ++i)
+            scratch[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
     const int64_t passes = (n + WR - 1) / WR;
     const int size = x_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < passes; ++p) {
         const int64_t c0 = p * WR;
         const int wr = n - c0 < WR ? (int)(n - c0) : WR;
-        tile_rows(m, wr, scratch, w + c0 * row_bytes, row_bytes, k, (char *)out + c0 * size, ldo, x_bf16);
+        tile(m, wr, scratch, w + c0 * row_bytes, row_bytes, k, (char *)out + c0 * size, ldo, x_bf16);
     }
     return 0;
 #else
