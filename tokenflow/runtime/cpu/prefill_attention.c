@@ -213,7 +213,7 @@ int paged_prefill_i8(const float *q, const int8_t *k_i8, const int8_t *v_i8, con
  * rounded to bf16, values summed in fp32, the output rounded to bf16.
  * On CPUs with AMX both products run on tiles of 16 query rows (prefill_tile_rows), the packing unchanged (it
  * is the tiles' pair layout): the same arithmetic up to the order of fp32 sums, for every chunk, so a prompt's
- * rows do not depend on how it was chunked or cached.
+ * rows do not depend on how it was chunked or cached. Keys are padded to whole 64-key blocks.
  *   q, out  [t, kv_heads * GROUP, HEAD_DIM] bf16; k_src, v_src, table as paged_prefill_f32.
  * prefill_bf16_available() says whether this build has it (else the call returns -1).
  * --------------------------------------------------------------------------------------------- */
@@ -236,13 +236,36 @@ static inline void bf16_probabilities(float *s, uint16_t *p, int64_t seen, int64
 }
 
 #if HAVE_TILES && HEAD_DIM % 32 == 0
+#define TILE_KEYS 64 /* keys per score block: four accumulator tiles, so the products do not wait on each other */
+
+/* 16 fp32 lanes rounded to bf16 and widened back: eager's rounding of a bf16 result. */
+static inline __m512 round16_to_bf16(__m512 x)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+/* 16 bf16 values at p widened to fp32. */
+static inline __m512 load16_bf16(const uint16_t *p)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __mmask16 lanes_below(int64_t j, int64_t limit)
+{
+    return limit - j >= 16 ? 0xFFFF : limit <= j ? 0 : (__mmask16)((1u << (limit - j)) - 1);
+}
+
 /* Query rows r0 .. r0 + 16 of KV head h (rows past `rows` repeat the last, unwritten) on AMX tiles (configured
- * 16 x 64 bytes each): scores Q K^T 32 keys at a time (tmm0-1; tmm4 the rows' next 32 head dimensions, tmm5-6
- * 16 dimension pairs x 16 keys of the packed keys), then P V 64 dimensions at a time (tmm0-3; tmm4 32 keys of
- * probabilities, tmm5-7 16 key pairs x 16 dimensions of the packed values). */
-static void prefill_tile_rows(const uint16_t *q, const uint32_t *kh, const uint32_t *vh, int64_t stride, int64_t rows,
-                              int64_t r0, int64_t heads, int64_t h, int64_t start, float scale, float *scores,
-                              uint16_t *probs, uint16_t *out)
+ * 16 x 64 bytes each), in three passes over the row's keys that keep each pass's data in L1/L2:
+ *   1. scores Q K^T, TILE_KEYS keys at a time (tmm0-3; tmm4 the rows' next 32 head dimensions, tmm5-7 16
+ *      dimension pairs x 16 keys), rounded and scaled as eager bf16 attention rounds them; those are bf16
+ *      values, kept as such in `xs` [16][xstride]; each row's max over its visible keys;
+ *   2. each row's sum of exp(x - max);
+ *   3. the probabilities exp(x - max) / sum rounded to bf16, written over `xs` 32 keys at a time just before
+ *      P V takes them (tmm0-3 64 dimensions; tmm4 the probabilities, tmm5-7 16 key pairs x 16 dimensions). */
+static void prefill_tile_rows(const uint16_t *q, const uint32_t *kh, int64_t kstride, const uint32_t *vh,
+                              int64_t rows, int64_t r0, int64_t heads, int64_t h, int64_t start, float scale,
+                              uint16_t *xs, int64_t xstride, float *es, int64_t estride, uint16_t *out)
 {
     const int64_t real = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
     uint16_t qb[TILE_ROWS][HEAD_DIM] __attribute__((aligned(64)));
@@ -254,24 +277,55 @@ static void prefill_tile_rows(const uint16_t *q, const uint32_t *kh, const uint3
         visible[r] = start + pos + 1;
     }
     const int64_t keys = visible[TILE_ROWS - 1];
-    const int64_t padded = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
-    for (int64_t j = 0; j < padded; j += 32) {
+    const __m512 scaling = _mm512_set1_ps(scale);
+    float block[TILE_ROWS][TILE_KEYS] __attribute__((aligned(64)));
+    __m512 top[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; ++r)
+        top[r] = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < keys; j += TILE_KEYS) {
         _tile_zero(0);
         _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
         for (int64_t d = 0; d < HEAD_DIM; d += 32) {
+            const uint32_t *k = kh + (d / 2) * kstride + j;
             _tile_loadd(4, qb[0] + d, HEAD_DIM * 2);
-            _tile_loadd(5, kh + (d / 2) * stride + j, stride * 4);
+            _tile_loadd(5, k, kstride * 4);
             _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(6, kh + (d / 2) * stride + j + 16, stride * 4);
+            _tile_loadd(6, k + 16, kstride * 4);
             _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, k + 32, kstride * 4);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, k + 48, kstride * 4);
+            _tile_dpbf16ps(3, 4, 5);
         }
-        _tile_stored(0, scores + j, stride * 4);
-        _tile_stored(1, scores + j + 16, stride * 4);
+        _tile_stored(0, block[0], TILE_KEYS * 4);
+        _tile_stored(1, block[0] + 16, TILE_KEYS * 4);
+        _tile_stored(2, block[0] + 32, TILE_KEYS * 4);
+        _tile_stored(3, block[0] + 48, TILE_KEYS * 4);
+        /* x = bf16(bf16(s) * scale), kept as bf16; the max of the unrounded products is the max's rounding
+         * (rounding is monotonic), so the max skips the second widening */
+        for (int r = 0; r < TILE_ROWS; ++r)
+            for (int x = 0; x < TILE_KEYS / 16; ++x) {
+                const __m512 scaled = _mm512_mul_ps(round16_to_bf16(_mm512_load_ps(block[r] + 16 * x)), scaling);
+                _mm256_storeu_si256((__m256i *)(xs + r * xstride + j + 16 * x), (__m256i)_mm512_cvtneps_pbh(scaled));
+                top[r] = _mm512_mask_max_ps(top[r], lanes_below(j + 16 * x, visible[r]), top[r], scaled);
+            }
     }
-    for (int r = 0; r < real; ++r)
-        bf16_probabilities(scores + r * stride, probs + r * stride, visible[r], padded, scale);
-    for (int64_t r = real; r < TILE_ROWS; ++r) /* the repeated rows: zeros, never written out */
-        memset(probs + r * stride, 0, sizeof(uint16_t) * (size_t)padded);
+    float inv[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; ++r) { /* e = exp(x - max) in fp32, and their sum */
+        const __m512 m = round16_to_bf16(_mm512_set1_ps(_mm512_reduce_max_ps(top[r])));
+        __m512 sum = _mm512_setzero_ps();
+        float *e_row = es + r * estride;
+        for (int64_t j = 0; j < visible[r]; j += 16) {
+            const __m512 e = _mm512_maskz_mov_ps(lanes_below(j, visible[r]),
+                                                 exp16(_mm512_sub_ps(load16_bf16(xs + r * xstride + j), m)));
+            _mm512_store_ps(e_row + j, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+    }
+    const int64_t padded = (keys + 31) / 32 * 32;
     float acc[TILE_ROWS][HEAD_DIM] __attribute__((aligned(64)));
     for (int x0 = 0; x0 < HEAD_VECS; x0 += 4) {
         const int n = HEAD_VECS - x0 < 4 ? HEAD_VECS - x0 : 4;
@@ -280,8 +334,18 @@ static void prefill_tile_rows(const uint16_t *q, const uint32_t *kh, const uint3
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t jp = 0; jp < padded / 2; jp += 16) {
+            if (x0 == 0) /* this block's probabilities bf16(e / sum), over its scaled scores */
+                for (int r = 0; r < TILE_ROWS; ++r) {
+                    const __m512 scale_r = _mm512_set1_ps(inv[r]);
+                    for (int x = 0; x < 2; ++x) {
+                        const int64_t j = 2 * jp + 16 * x;
+                        const __m512 prob = _mm512_maskz_mul_ps(lanes_below(j, visible[r]), _mm512_load_ps(es + r * estride + j),
+                                                                scale_r);
+                        _mm256_storeu_si256((__m256i *)(xs + r * xstride + j), (__m256i)_mm512_cvtneps_pbh(prob));
+                    }
+                }
             const uint32_t *v = vh + jp * HEAD_DIM + 16 * x0;
-            _tile_loadd(4, probs + 2 * jp, stride * 2);
+            _tile_loadd(4, xs + 2 * jp, xstride * 2);
             _tile_loadd(5, v, HEAD_DIM * 4);
             _tile_dpbf16ps(0, 4, 5);
             if (n > 1) {
@@ -325,7 +389,8 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t 
         return -1;
     const int64_t heads = kv_heads * GROUP, slot_stride = kv_heads * HEAD_DIM, pairs = HEAD_DIM / 2;
     const int64_t length = start + t;
-    const int64_t stride = (length + KEY_TILE - 1) / KEY_TILE * KEY_TILE; /* padded keys per head (even) */
+    const int64_t stride = (length + 63) / 64 * 64; /* padded keys per head: whole score blocks of either path */
+    const int64_t kstride = stride + 16; /* packed keys' row stride: off multiples of 4 KiB (L1 sets) */
     const int64_t rows = t * GROUP;
     const int64_t row_blocks = (rows + PREFILL_ROWS - 1) / PREFILL_ROWS;
 #if PREFILL_TILES
@@ -333,7 +398,7 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t 
 #else
     const int tiles = 0;
 #endif
-    uint32_t *kp = aligned_alloc(64, sizeof(uint32_t) * (size_t)(kv_heads * pairs * stride));     /* [h][d/2][key] */
+    uint32_t *kp = aligned_alloc(64, sizeof(uint32_t) * (size_t)(kv_heads * pairs * kstride));     /* [h][d/2][key] */
     uint32_t *vp = aligned_alloc(64, sizeof(uint32_t) * (size_t)(kv_heads * stride / 2 * HEAD_DIM)); /* [h][key/2][d] */
     int failed = kp == NULL || vp == NULL;
     if (failed) {
@@ -357,17 +422,19 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t 
                 v1 = v_src + key_slot(table, j + 1, block_size) * slot_stride + h * HEAD_DIM;
             }
             for (int64_t p = 0; p < pairs; ++p) {
-                kp[(h * pairs + p) * stride + j] = k0 ? (uint32_t)k0[2 * p] | (uint32_t)k0[2 * p + 1] << 16 : 0;
-                kp[(h * pairs + p) * stride + j + 1] = k1 ? (uint32_t)k1[2 * p] | (uint32_t)k1[2 * p + 1] << 16 : 0;
+                kp[(h * pairs + p) * kstride + j] = k0 ? (uint32_t)k0[2 * p] | (uint32_t)k0[2 * p + 1] << 16 : 0;
+                kp[(h * pairs + p) * kstride + j + 1] = k1 ? (uint32_t)k1[2 * p] | (uint32_t)k1[2 * p + 1] << 16 : 0;
             }
             uint32_t *vrow = vp + (h * stride / 2 + j / 2) * HEAD_DIM;
             for (int64_t d = 0; d < HEAD_DIM; ++d)
                 vrow[d] = (v0 ? v0[d] : 0u) | (uint32_t)(v1 ? v1[d] : 0u) << 16;
         }
 
-        const int64_t buffer_rows = PREFILL_TILES ? 16 : PREFILL_ROWS;
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(buffer_rows * stride));
-        uint16_t *probs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(buffer_rows * stride));
+        /* per thread: a tile's scaled scores (bf16, then its probabilities) and exponentials (fp32), rows off
+         * multiples of 4 KiB; or the register tile's scores and probabilities */
+        const int64_t buffer_rows = tiles ? 16 : PREFILL_ROWS, xstride = stride + 32, estride = stride + 16;
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(buffer_rows * estride));
+        uint16_t *probs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(buffer_rows * xstride));
         if (scores == NULL || probs == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -381,8 +448,9 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t 
                 if (scores == NULL || probs == NULL)
                     continue;
                 const int64_t h = item / row_tiles;
-                prefill_tile_rows(q, kp + h * pairs * stride, vp + h * stride / 2 * HEAD_DIM, stride, rows,
-                                  (item % row_tiles) * TILE_ROWS, heads, h, start, scale, scores, probs, out);
+                prefill_tile_rows(q, kp + h * pairs * kstride, kstride, vp + h * stride / 2 * HEAD_DIM, rows,
+                                  (item % row_tiles) * TILE_ROWS, heads, h, start, scale, probs, xstride, scores,
+                                  estride, out);
             }
             _tile_release();
         }
@@ -403,14 +471,14 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t 
             }
             const int64_t keys = visible[PREFILL_ROWS - 1];
             const int64_t padded = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
-            const uint32_t *kh = kp + h * pairs * stride;
+            const uint32_t *kh = kp + h * pairs * kstride;
             for (int64_t j = 0; j < padded; j += KEY_TILE) {
                 __m512 acc[PREFILL_ROWS][2];
                 for (int r = 0; r < PREFILL_ROWS; ++r)
                     acc[r][0] = acc[r][1] = _mm512_setzero_ps();
                 for (int64_t p = 0; p < pairs; ++p) {
-                    const __m512bh k0 = (__m512bh)_mm512_load_si512(kh + p * stride + j);
-                    const __m512bh k1 = (__m512bh)_mm512_load_si512(kh + p * stride + j + 16);
+                    const __m512bh k0 = (__m512bh)_mm512_load_si512(kh + p * kstride + j);
+                    const __m512bh k1 = (__m512bh)_mm512_load_si512(kh + p * kstride + j + 16);
                     for (int r = 0; r < PREFILL_ROWS; ++r) {
                         const __m512bh w = (__m512bh)_mm512_set1_epi32((int)qb[r][p]);
                         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w, k0);
