@@ -86,6 +86,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     max_batch_tokens: Positive | None = None  # tokens per step; None: per device (`DEFAULT_BATCH_TOKENS`)
     max_queue: Positive = 4096
     priority_aging_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = 30.0  # waiting this long = one priority level
+    # queue place: each prompt token counts as this much later arrival, so of requests arriving together the
+    # shorter prompts start first (their first tokens sooner); a long prompt is passed only by requests that
+    # arrive within its tokens x this after it (0: arrival order)
+    prompt_token_wait_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0005
     kv_high_watermark: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.95  # KV use above which prefills wait
     kv_low_watermark: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.7  # KV use below which the batch regrows
     max_queue_tokens: Positive | None = None

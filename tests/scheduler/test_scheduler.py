@@ -1,5 +1,5 @@
-"""The scheduler in a running engine: aging bounds starvation, priorities order admission,
-forced preemption keeps outputs identical, watermarks pause admission."""
+"""The scheduler in a running engine: aging bounds starvation, priorities order admission, a burst's
+short prompts start first, forced preemption keeps outputs identical, watermarks pause admission."""
 
 from __future__ import annotations
 
@@ -96,6 +96,52 @@ async def test_high_priority_requests_go_first(tiny_model) -> None:
                     await anyio.sleep(0.005)
             assert engine.stats()["num_running"] == 2, "the holders must still hold both slots"
     assert finished == [0] * 20 + [5] * 20, finished
+
+
+async def _admission_order(model: Path, token_wait_s: float, lengths: list[int],
+                           gap_before_last_s: float = 0.0) -> list[int]:
+    """One slot, held by a long stream while requests with prompts of `lengths` tokens queue up in that
+    order (the last `gap_before_last_s` after the others); then the holder is cancelled. Returns the
+    prompt lengths in the order the requests ran (one at a time: completion order is admission order)."""
+    rng = random.Random(3)
+    finished: list[int] = []
+    async with Engine(model, max_num_seqs=1, max_batch_tokens=64, prompt_token_wait_s=token_wait_s) as engine:
+        held = anyio.Event()
+
+        async def holder() -> None:
+            async for _ in engine.stream(rng.sample(range(5, 400), 20), max_tokens=2000, temperature=0.0,
+                                         ignore_eos=True):
+                held.set()
+
+        async def one(length: int) -> None:
+            prompt = [rng.randrange(5, 400) for _ in range(length)]
+            await engine.generate(prompt, max_tokens=2, temperature=0.0, ignore_eos=True)
+            finished.append(length)
+
+        async with anyio.create_task_group() as tg, anyio.create_task_group() as holding:
+            holding.start_soon(holder)
+            await held.wait()
+            for i, length in enumerate(lengths):
+                if i == len(lengths) - 1 and gap_before_last_s:
+                    await anyio.sleep(gap_before_last_s)
+                tg.start_soon(one, length)
+                with anyio.fail_after(30):
+                    while engine.stats()["num_waiting"] < i + 1:
+                        await anyio.sleep(0.001)
+            holding.cancel_scope.cancel()  # frees the slot: the queue runs in its order
+    return finished
+
+
+async def test_of_a_burst_shorter_prompts_start_first(tiny_model) -> None:
+    """Requests queued together run shortest prompt first (each token counts as `prompt_token_wait_s` of
+    later arrival); with 0 they run in arrival order; a long prompt that arrived more than its tokens x
+    the wait before a short one still goes first (the wait it can suffer is bounded)."""
+    lengths = [60, 10, 40, 20, 50, 30]
+    assert await _admission_order(tiny_model, 0.01, lengths) == sorted(lengths)
+    assert await _admission_order(tiny_model, 0.0, lengths) == lengths
+    # 60 tokens x 5 ms = 0.3 s: a 10-token prompt arriving 0.5 s later is placed behind it
+    assert await _admission_order(tiny_model, 0.005, [60, 10], gap_before_last_s=0.5) == [60, 10]
+    assert await _admission_order(tiny_model, 0.005, [60, 10]) == [10, 60]
 
 
 async def test_forced_preemption_keeps_outputs_identical(tiny_model) -> None:

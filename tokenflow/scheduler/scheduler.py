@@ -6,8 +6,9 @@ computed tokens catch up towards its known tokens within a token budget
 (`max_batch_tokens`) and a sequence budget (`max_num_seqs`). Running requests
 go first (a decode costs one token, a long prompt continues in chunks), then
 waiting requests are admitted in queue order (`queue_key`: priority with
-aging, then arrival) while budget and KV blocks last, and while KV use stays
-under the high watermark (above it new prefills wait, so running requests
+aging, then arrival, each prompt token counting as a little later arrival)
+while budget and KV blocks last, and while KV use stays under the high
+watermark (above it new prefills wait, so running requests
 can grow). When blocks run out, the latest-arrived request of the lowest
 priority is preempted by recomputation (the request asking for blocks
 yields itself when it is that one: a worse-placed request never evicts a
@@ -83,6 +84,7 @@ class Scheduler:
         self._limits_before_oom: tuple[int, int] | None = None  # (seqs, tokens) when an OOM streak began
         self.seq_limit = config.max_num_seqs  # adaptive: drops to what fits after a preemption, regrows
         self.aging_s = config.priority_aging_s
+        self.token_wait_s = config.prompt_token_wait_s
         self.window = config.attention_policy.window  # sliding: blocks behind it are freed
         self.sink_tokens = config.attention_policy.sink_tokens
         self.high_watermark = config.kv_high_watermark
@@ -117,10 +119,14 @@ class Scheduler:
     def queue_key(self, request: Request) -> float | tuple[int, float]:
         """Place in the waiting queue. With aging, one priority level is worth `priority_aging_s`
         seconds of waiting: a request that waited that much longer passes a better-priority one, so
-        a flood of higher-priority work delays a request by a bounded time, never forever."""
+        a flood of higher-priority work delays a request by a bounded time, never forever. Each of its
+        tokens counts as `prompt_token_wait_s` later arrival: of a burst, the short prompts start first
+        (shortest-first lowers every short request's wait and the median time to first token; the long
+        ones wait a bounded time more)."""
+        arrival = request.arrival_time + self.token_wait_s * request.num_tokens
         if self.aging_s is None:
-            return (request.params.priority, request.arrival_time)
-        return request.params.priority * self.aging_s + request.arrival_time
+            return (request.params.priority, arrival)
+        return request.params.priority * self.aging_s + arrival
 
     # -- queue -------------------------------------------------------------
     def add(self, request: Request) -> None:
