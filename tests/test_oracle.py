@@ -88,10 +88,11 @@ def _randomize_norms(folder) -> None:
 # qwen3: per-head Q/K norms; phi3: Q, K, V and gate/up stored as single projections; granite: embedding, residual,
 # attention and logit multipliers; olmo2: norms on the sublayers' outputs and over all of Q and K; gemma: (1 + w)
 # norms in fp32, GELU, scaled embeddings; gemma3: also norms on both sides of each sublayer, per-head Q/K norms,
-# a RoPE per layer type and query_pre_attn_scalar; phi: not a family the fused layers run (its HF modules)
+# a RoPE per layer type and query_pre_attn_scalar; phi: not a family the fused layers run (its HF modules); gpt2:
+# learned absolute positions and Conv1D projections (its HF modules)
 @pytest.mark.parametrize(("arch", "fused"), [("qwen2", True), ("qwen3", True), ("mistral", True), ("phi3", True),
                                              ("granite", True), ("olmo2", True), ("gemma", True), ("gemma3", True),
-                                             ("phi", False)])
+                                             ("phi", False), ("gpt2", False)])
 async def test_paged_greedy_on_other_architectures(tmp_path, arch, fused) -> None:
     from tokenflow.testing import build_tiny_model
 
@@ -108,3 +109,26 @@ async def test_paged_greedy_on_other_architectures(tmp_path, arch, fused) -> Non
         outputs = await run_concurrently(engine, prompts, max_tokens=12)
     for prompt, got in zip(prompts, outputs):
         assert got == hf_greedy(model, prompt, 12)
+
+
+# mixture-of-experts on the paged backend: the HF modules' routers and transformers' grouped expert matmuls
+# (`grouped_mm`, one product per expert group, not a loop over tokens); qwen2_moe's config keeps
+# `sliding_window=0` with `use_sliding_window` off (no window), and every MoE layer passes
+# `output_router_logits` on to attention
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])
+async def test_paged_greedy_on_mixture_of_experts(tmp_path, arch) -> None:
+    from tokenflow.testing import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / arch, arch=arch)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = make_prompts(400, [5, 40, 90, 13, 60, 27], seed=2)
+    want = [hf_greedy(model, prompt, 12) for prompt in prompts]
+    async with Engine(folder, max_batch_tokens=32) as engine:
+        runner = engine._loop.backend.runner
+        assert runner.fused is None and runner.model.config._experts_implementation == "grouped_mm"
+        assert await run_concurrently(engine, prompts, max_tokens=12, stagger_s=0.01) == want
+    # a pool too small for all of them at once: requests are preempted and recomputed, answers unchanged
+    async with Engine(folder, max_batch_tokens=32, num_kv_blocks=10, kv_high_watermark=1.0,
+                      prefix_caching=False) as engine:
+        assert await run_concurrently(engine, prompts, max_tokens=12) == want
+        assert engine.stats()["num_preemptions"] > 0

@@ -53,6 +53,9 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any) ->
     """A 2-layer config with GQA (4 heads, 2 KV heads, hidden 64) for `arch`."""
     import transformers
 
+    if arch == "gpt2":  # learned absolute positions, Conv1D projections, no GQA, biases everywhere
+        names = dict(n_embd=64, n_layer=2, n_head=4, n_positions=2048, vocab_size=vocab_size)
+        return transformers.GPT2Config(**{**names, **overrides})
     classes = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
@@ -64,14 +67,30 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any) ->
         "phi": transformers.PhiConfig,
         "granite": transformers.GraniteConfig,
         "olmo2": transformers.Olmo2Config,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "mixtral": transformers.MixtralConfig,
+        "olmoe": transformers.OlmoeConfig,
     }
     base: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         tie_word_embeddings=True,
     )
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         base["sliding_window"] = None
+    # mixture-of-experts: 4 experts of 32, 2 per token (Qwen2-MoE also a shared expert, gated; Qwen3-MoE
+    # normalises the top-k weights, Mixtral and OLMoE as their configs say)
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "qwen2_moe":
+        base["shared_expert_intermediate_size"] = 48
+    if arch == "qwen3_moe":
+        base["norm_topk_prob"] = True
+    if arch == "mixtral":
+        base.update(num_local_experts=4, num_experts_per_tok=2)
+    if arch == "olmoe":
+        base.update(num_experts=4, num_experts_per_tok=2, intermediate_size=32)
     if arch == "phi3":
         base["pad_token_id"] = None  # its default (32000) lies past a tiny vocabulary
     if arch == "granite":  # multipliers away from 1, as Granite 3's: each one left out changes the output

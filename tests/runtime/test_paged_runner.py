@@ -33,7 +33,7 @@ from tokenflow.kv.block_pool import BlockPool
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.runtime.attention import matmul as matmul_attention
 from tokenflow.runtime.attention.paged import UnsupportedAttentionFeature
-from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
+from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk, check_model_supported
 from tokenflow.testing import tiny_config
 
 COMMON = dict(
@@ -301,6 +301,29 @@ def test_refuses_gemma2() -> None:
     cfg = Gemma2Config(**{**COMMON, "head_dim": 16})
     with pytest.raises(ModelLoadError, match="gemma2"):
         make_runner(Gemma2ForCausalLM(cfg))
+
+
+def test_refuses_models_without_attention_or_with_alibi_by_name() -> None:
+    """A state-space model has no attention to page, and ALiBi's per-head distance biases are no position in Q
+    and K: each is refused at load with the feature named (not an AttributeError from the KV sizing)."""
+    from transformers import (
+        BloomConfig,
+        BloomForCausalLM,
+        FalconConfig,
+        FalconForCausalLM,
+        MambaConfig,
+        MambaForCausalLM,
+    )
+
+    with pytest.raises(ModelLoadError, match=r"'mamba' uses layers without attention"):
+        check_model_supported(MambaForCausalLM(MambaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2)))
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=256, hidden_size=32, n_layer=2, n_head=4))
+    with pytest.raises(ModelLoadError, match=r"'bloom' uses ALiBi"):
+        check_model_supported(bloom)
+    falcon = FalconForCausalLM(FalconConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=4, alibi=True))
+    with pytest.raises(ModelLoadError, match=r"'falcon' uses ALiBi"):
+        check_model_supported(falcon)
 
 
 def test_cache_must_match_model() -> None:

@@ -54,6 +54,7 @@ from tokenflow.runtime.layer_families import (
     layer_linears,
     layer_weights,
     logits_divisor,
+    model_window,
 )
 from tokenflow.runtime.sampler import GreedyTokens
 
@@ -234,7 +235,10 @@ def _gguf_kernels(model: torch.nn.Module) -> GGUFKernels | None:
 def runs_own_copies(model: torch.nn.Module, pack: bool) -> bool:
     """Whether a FusedDecoder over `model` (with `pack`) runs every layer linear from copies of its own (oneDNN's
     packed layout, the few-rows panels), so that the HF layers' weights can go once nothing else reads them."""
-    weight = model.lm_head.weight
+    head = model.get_output_embeddings()
+    if head is None:
+        return False
+    weight = head.weight
     return (pack and _gguf_kernels(model) is None and weight.device.type == "cpu"
             and weight.dtype in packed_dtypes())
 
@@ -308,7 +312,7 @@ class FusedDecoder:
         self.num_heads = model.config.num_attention_heads
         self.head_dim = base.layers[0].self_attn.head_dim
         # a model-native window is run only where it masks nothing (no context longer), as the HF path guards it
-        self.window: int | None = getattr(model.config, "sliding_window", None)
+        self.window: int | None = model_window(model.config)
         # Gemma 3's RoPE differs by layer type (its rotary module takes the type): one cos/sin per type and step
         per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         layer_types = getattr(model.config, "layer_types", None) if per_type else None

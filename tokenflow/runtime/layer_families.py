@@ -84,13 +84,22 @@ class LayerWeights:
     activation: torch.nn.Module | None  # a GELU module the loop calls on the gate; None: SiLU (the native product)
 
 
+def model_window(config: object) -> int | None:
+    """The sliding window `config` declares, or None: Qwen2-MoE and others keep `sliding_window` (0 in
+    Qwen2-MoE's defaults) while `use_sliding_window` is off, and a window of 0 masks nothing either."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
 def family_for(config: object, max_context: int | None = None) -> LayerFamily | None:
     """The description of `config`'s family where the fused loop runs it: RoPE over the whole head, no window
     shorter than `max_context` (the longest context the runner allows), no logit soft-capping."""
     family = FAMILIES.get(str(getattr(config, "model_type", None)))
     if family is None:
         return None
-    window = getattr(config, "sliding_window", None)  # HF's attention guards a window; here it must mask nothing
+    window = model_window(config)  # HF's attention guards a window; here it must mask nothing
     if window is not None and (max_context is None or window < max_context):
         return None
     if any(getattr(config, name, None) is not None for name in ("attn_logit_softcapping", "final_logit_softcapping")):

@@ -42,6 +42,7 @@ from tokenflow.runtime.attention.topk import RECENT_BLOCKS, TopkDecode
 from tokenflow.runtime.cpu.native_kernels import load_native_kernels
 from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.fused_layers import fused_decoder_for, runs_own_copies
+from tokenflow.runtime.layer_families import model_window
 from tokenflow.runtime.sampler import GreedyTokens
 
 __all__ = ("PagedModelRunner", "SeqChunk", "check_model_supported")
@@ -121,7 +122,12 @@ def check_model_supported(model: torch.nn.Module, max_model_len: int | None = No
 
     if not getattr(cfg, "is_causal", True) or getattr(cfg, "is_encoder_decoder", False):
         raise refuse("non-causal attention")
-    window = getattr(cfg, "sliding_window", None)  # Qwen2/3 null it unless use_sliding_window
+    if getattr(cfg, "num_attention_heads", None) is None:
+        raise refuse("layers without attention (a state-space or recurrent model: no KV cache to page)")
+    alibi = getattr(cfg, "alibi", False) or getattr(getattr(cfg, "attn_config", None), "alibi", False)
+    if mtype == "bloom" or alibi:  # biases added to the scores per head and distance, not positions in Q and K
+        raise refuse("ALiBi position biases")
+    window = model_window(cfg)
     limit = max_model_len or getattr(cfg, "max_position_embeddings", None)
     if window is not None and (limit is None or window < limit):
         raise refuse(f"sliding-window attention (sliding_window={window})")

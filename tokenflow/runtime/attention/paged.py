@@ -62,7 +62,10 @@ ATTENTION_NAME = "tokenflow_paged"
 META_KWARG = "tokenflow_meta"
 
 # Keywords models pass down that carry nothing the attention must honour.
-_HARMLESS_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
+# output_router_logits: MoE decoders pass their layer's kwargs on to attention; the router's logits are
+# recorded from the MoE blocks, never from attention
+_HARMLESS_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions",
+                              "output_router_logits"})
 
 
 class UnsupportedAttentionFeature(NotImplementedError):

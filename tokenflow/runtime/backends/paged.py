@@ -25,7 +25,7 @@ from tokenflow.runtime.cpu.packed_linear import pack_linears
 from tokenflow.runtime.cpu.rms_norm import fuse_rms_norms
 from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.gated_mlp import inplace_gated_mlps
-from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
+from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk, check_model_supported
 from tokenflow.runtime.quantize import quantize_runner
 from tokenflow.runtime.sampler import GreedyTokens, argmax_only
 
@@ -146,6 +146,7 @@ class PagedBackend:
 
     def load(self, ctx: EngineContext, model: Any) -> None:
         config = self.config
+        check_model_supported(model, ctx.max_model_len)  # before the KV cache is sized from its attention
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
         attention = config.attention_policy
