@@ -133,6 +133,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     grammar_cache_size: Positive = 256  # compiled output constraints kept for reuse
     max_logit_bias: Positive = 1024  # tokens one request's logit_bias may name
     max_n: Positive = 16  # samples one generate_many / chat_many (HTTP `n`) may ask for
+    max_embed_inputs: Positive = 256  # texts (or token-id lists) one `embed` call (HTTP `input`) may hold
     allow_special_tokens_in_chat: bool = False  # chat content spelling control tokens is tokenized as text unless True
     # -- tiers --
     cache_secret: str | None = None  # HMAC key of disk/Redis entries; disk default: a random secret kept in cache_dir

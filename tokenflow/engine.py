@@ -34,6 +34,7 @@ from tokenflow.errors import (
     EngineClosed,
     EngineError,
     InvalidRequest,
+    Overloaded,
     TokenflowError,
     WrongEventLoop,
 )
@@ -44,7 +45,7 @@ from tokenflow.output.processor import OutputProcessor, usage_of
 from tokenflow.output.stored_responses import ResponseStore, serving_key
 from tokenflow.params import STRUCTURED_FIELDS, Chunk, Completion, SamplingParams, ToolCall
 from tokenflow.progress import steps
-from tokenflow.protocols import CompressingBackend, EngineContext, NextStage
+from tokenflow.protocols import CompressingBackend, DeviceOutOfMemory, EngineContext, NextStage
 from tokenflow.request import Request, Wakeup
 from tokenflow.runtime.cpu.core_share import CoreSharing
 from tokenflow.runtime.cpu.malloc_tuning import return_freed_memory
@@ -52,6 +53,7 @@ from tokenflow.runtime.cpu.openmp_team import release_openmp_team
 from tokenflow.runtime.gc_heap import freeze_heap, release_heap
 from tokenflow.runtime.loader import LoadedModel, load_model
 from tokenflow.runtime.model_thread import ModelThread
+from tokenflow.runtime.pooling import POOLING_MODES, Pooling, pooling_for
 from tokenflow.runtime.sampler import make_generator
 from tokenflow.runtime.worker import ModelWorker
 from tokenflow.stages.breaker import BreakerStage
@@ -99,6 +101,7 @@ class Engine:
         self._model_thread_task: BackgroundTask | None = None
         self.limits: RequestLimits | None = None
         self.model_name = ""
+        self.pooling = Pooling()  # `embed`'s default: the model folder's own (sentence-transformers), set at start
         self._froze_heap = False  # this engine's start froze the GC heap (`freeze_gc`); its close releases it
         self._home: object | None = None  # the event loop that started the engine: the only one it serves
         self._home_thread = 0
@@ -147,6 +150,7 @@ class Engine:
 
     async def _start_on(self, model_thread: ModelThread, path: Any, gguf_file: Any = None) -> None:
         loaded = await model_thread.run(load_model, path, self.config, gguf_file)
+        self.pooling = pooling_for(path)
         config = self.config = self.config.for_device(loaded.device.type)
         policy = config.attention_policy.fingerprint  # the KV each block holds depends on these too
         if config.quantization:
@@ -336,6 +340,59 @@ class Engine:
             checked = check_tools(tools, None)[0] if tools is not None else None
             return await stage.encode_chat(messages, checked)
         return await stage.encode(prompt, add_special_tokens=add_special_tokens)  # type: ignore[arg-type]
+
+    async def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *,
+                    pooling: str | None = None, normalize: bool | None = None) -> list[list[float]]:
+        """One vector per input (a text, a token-id list, or a list of either): the model's final hidden states
+        pooled as its folder says (sentence-transformers' `modules.json`; else the last token, unit length),
+        `pooling` ("last", "mean", "cls", "max") and `normalize` overriding. Computed on the model thread between
+        generation steps: prefill only, no KV kept."""
+        return (await self.embed_with_usage(inputs, pooling=pooling, normalize=normalize))[0]
+
+    async def embed_with_usage(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *,
+                               pooling: str | None = None, normalize: bool | None = None
+                               ) -> tuple[list[list[float]], int]:
+        """`embed`'s vectors and the number of tokens they read (`/v1/embeddings`' usage)."""
+        self._check_open()
+        assert self.limits is not None and self.loaded is not None and self._tokenizer is not None
+        if pooling is not None and pooling not in POOLING_MODES:
+            raise InvalidRequest(f"pooling must be one of {', '.join(POOLING_MODES)}, got {pooling!r}", field="pooling")
+        if normalize is not None and not isinstance(normalize, bool):
+            raise InvalidRequest("normalize must be true or false", field="normalize")
+        chosen = Pooling(mode=pooling or self.pooling.mode,
+                         normalize=self.pooling.normalize if normalize is None else normalize)
+        if isinstance(inputs, str) or (isinstance(inputs, Sequence) and inputs
+                                       and all(isinstance(t, int) and not isinstance(t, bool) for t in inputs)):
+            items: list[Any] = [inputs]
+        elif isinstance(inputs, Sequence) and not isinstance(inputs, (bytes, bytearray)):
+            items = list(inputs)
+        else:
+            raise InvalidRequest("input must be a text, a list of token ids, or a list of either", field="input")
+        limit = self.config.max_embed_inputs
+        if not items or len(items) > limit:
+            raise InvalidRequest(f"input must hold 1 to {limit} items (max_embed_inputs), got {len(items)}",
+                                 field="input")
+        vocab, longest = self.loaded.vocab_size, self.loaded.max_model_len
+        token_lists = []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                self.limits.check_prompt(item, None)
+                ids = await self._tokenizer.encode(item, add_special_tokens=True)
+            elif isinstance(item, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                    for t in item):
+                ids = list(item)
+            else:
+                raise InvalidRequest(f"input[{i}] must be a text or a list of token ids in [0, {vocab})",
+                                     field="input")
+            if not 0 < len(ids) <= longest:
+                raise InvalidRequest(f"input[{i}] has {len(ids)} tokens; it must have 1 to {longest}", field="input")
+            token_lists.append(ids)
+        assert self._loop is not None
+        try:
+            vectors = await self._loop.worker.embed(token_lists, chosen)
+        except DeviceOutOfMemory as exc:
+            raise Overloaded(f"out of device memory computing embeddings: {exc}") from exc
+        return vectors, sum(len(ids) for ids in token_lists)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of `token_ids`, special tokens spelled out (the inverse of `tokenize`)."""

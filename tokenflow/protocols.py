@@ -27,6 +27,7 @@ __all__ = (
     "CompressJob",
     "CompressingBackend",
     "DeviceOutOfMemory",
+    "EmbeddingBackend",
     "EngineContext",
     "EngineObserver",
     "GreedyTokens",
@@ -483,6 +484,14 @@ class CompressingBackend(Protocol):
 
 
 @runtime_checkable
+class EmbeddingBackend(Protocol):
+    """A backend that computes one sequence's final hidden states, `[len, hidden]` fp32 on the CPU, with no KV
+    kept (model thread): what `Engine.embed` pools."""
+
+    def hidden_states(self, token_ids: list[int]) -> Any: ...
+
+
+@runtime_checkable
 class WarmingBackend(Protocol):
     """A backend that names the decode batch sizes worth a warm-up (`warmup=True`); else one."""
 
@@ -493,7 +502,7 @@ class WarmingBackend(Protocol):
 OPTIONAL_HOOKS: dict[str, tuple[type, ...]] = {
     "memory": (TieredPool, ShrinkablePool),
     "loop": (RecoveringScheduler,),
-    "backend": (ShrinkableBackend, CompressingBackend, WarmingBackend),
+    "backend": (ShrinkableBackend, CompressingBackend, WarmingBackend, EmbeddingBackend),
 }
 
 

@@ -83,6 +83,9 @@ class SyncEngine:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self._call(self.engine.detokenize, token_ids)
 
+    def embed(self, inputs: Any, **kwargs: Any) -> list[list[float]]:
+        return self._call(self.engine.embed, inputs, **kwargs)
+
     def stats(self) -> dict[str, Any]:
         return self._call(self._stats)
 

@@ -416,10 +416,11 @@ class FusedDecoder:
         self.native_layers = None  # it runs the few-rows weights being replaced
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor,
-                 meta: PagedAttentionMetadata, greedy: bool = False) -> torch.Tensor | GreedyTokens:
+                 meta: PagedAttentionMetadata, greedy: bool = False, hidden: bool = False
+                 ) -> torch.Tensor | GreedyTokens:
         """Logits `[len(logits_to_keep), vocab]` in the model's dtype for the packed step (`[1, T]` inputs);
         with `greedy` (every row samples its argmax and nothing else), the rows' tokens where the greedy
-        head settles them."""
+        head settles them; with `hidden`, the final norm's output of the kept rows instead (embeddings)."""
         if self.window is not None and self.window < meta.max_context:
             raise UnsupportedAttentionFeature(
                 f"sliding_window={self.window} (context {meta.max_context}) is not implemented by paged attention")
@@ -439,7 +440,7 @@ class FusedDecoder:
         inter = self.intermediate
         # oneDNN's post-op forms for the steps the few-rows kernel does not take (prefill chunks)
         post_ops = self.post_ops_on and (t > FEW_ROWS or not self._few_rows)
-        if self.native_layers is not None and self.native_layers.takes(h, meta):
+        if not hidden and self.native_layers is not None and self.native_layers.takes(h, meta):
             cos, sin, _ = ropes[None]
             self.native_layers.run(h, cos, sin, meta)  # the loop below, in C
             return self._logits(h.index_select(0, logits_to_keep), greedy)
@@ -469,7 +470,7 @@ class FusedDecoder:
                 # Past the last layer's attention only the sampled rows are read (its K/V are written): a
                 # prefill chunk's other rows skip the output projection and MLP. Rows are row-wise from here.
                 if len(logits_to_keep) == 0:  # no chunk of the step ends its prompt
-                    return self._logits(h[:0], False)
+                    return self.final_norm(h[:0]) if hidden else self._logits(h[:0], False)
                 out, h = out.index_select(0, logits_to_keep), h.index_select(0, logits_to_keep)
                 t = h.shape[0]
             if layer.attention_out_norm is not None:
@@ -483,7 +484,7 @@ class FusedDecoder:
                 continue
             gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
             h = _gated_down(layer, gate_up, inter, h, native)
-        return self._logits(h, greedy)
+        return self.final_norm(h) if hidden else self._logits(h, greedy)
 
     def _rope(self, h: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None,
               native: NativeKernels | None) -> tuple[torch.Tensor, torch.Tensor, bool]:

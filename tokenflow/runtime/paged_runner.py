@@ -331,6 +331,31 @@ class PagedModelRunner:
             )
         return out.logits[0].float()  # [num_sampled, vocab]
 
+    def hidden_states(self, token_ids: Sequence[int], chunk: int) -> torch.Tensor:
+        """The final norm's output for every token of one sequence, `[len, hidden]` fp32 on the CPU (what
+        transformers' base model returns as `last_hidden_state`): prefilled `chunk` tokens at a time over a
+        scratch cache of its own, dropped after (embeddings keep no KV and take no block of the pool)."""
+        bs = self.block_size
+        blocks = -(-len(token_ids) // bs)
+        scratch = KVCache(num_layers=self.num_layers, num_kv_heads=self.kv_cache.num_kv_heads,
+                          head_dim=self.kv_cache.head_dim, num_blocks=blocks, block_size=bs, dtype=self.dtype,
+                          device=self.device)
+        table = list(range(blocks))
+        rows = []
+        for start in range(0, len(token_ids), chunk):
+            piece = list(token_ids[start:start + chunk])
+            step = self.prepare([SeqChunk(piece, start, table, False)], scratch)
+            every = torch.arange(len(piece), device=self.device)
+            with torch.inference_mode(), sdpa_backends(self.device):
+                if self.fused is not None:
+                    out = self.fused(step.input_ids, step.position_ids, every, step.meta, hidden=True)
+                else:
+                    out = self.model.base_model(input_ids=step.input_ids, position_ids=step.position_ids,
+                                                use_cache=False, **{META_KWARG: step.meta}).last_hidden_state[0]
+            assert isinstance(out, torch.Tensor)
+            rows.append(out.float().cpu())
+        return torch.cat(rows)
+
     def prepare(self, chunks: Sequence[SeqChunk], kv_cache: KVCache) -> PackedStep:
         """Pack `chunks` (decodes first, then prefill chunks, then sliding and top-k ones) and build the
         step's metadata."""

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from tokenflow.errors import InvalidRequest
 from tokenflow.protocols import (
     CompressingBackend,
     CompressJob,
     DeviceOutOfMemory,
+    EmbeddingBackend,
     GreedyTokens,
     RowFailure,
     SamplerOutput,
@@ -38,6 +40,7 @@ from tokenflow.request import Request
 from tokenflow.runtime.cpu.core_share import CoreSharing
 from tokenflow.runtime.loader import LoadedModel
 from tokenflow.runtime.model_thread import ModelThread
+from tokenflow.runtime.pooling import Pooling, pool
 from tokenflow.runtime.sampler import Sampler, SamplingRow, row_of
 from tokenflow.structured.bitmask import MaskFiller, StepMasks, fill_masks, masked_first
 from tokenflow.structured.drafts import masked_draft_argmax
@@ -92,6 +95,22 @@ class ModelWorker:
             return False
         await self.model_thread.run(self.backend.shrink_kv, num_blocks)
         return True
+
+    async def embed(self, inputs: list[list[int]], pooling: Pooling) -> list[list[float]]:
+        """Each token-id list's pooled final hidden states, on the model thread between steps (prefill only,
+        no KV kept); `EmbeddingBackend` backends only."""
+        backend = self.backend
+        if not isinstance(backend, EmbeddingBackend):
+            raise InvalidRequest(f"the {type(backend).__name__} backend computes no embeddings (use `paged`)",
+                                 field="input")
+
+        def run() -> list[list[float]]:
+            return [pool(backend.hidden_states(ids), pooling).tolist() for ids in inputs]
+
+        try:
+            return await self.model_thread.run(run)
+        except torch.OutOfMemoryError as exc:
+            raise DeviceOutOfMemory(str(exc)) from exc
 
     def warmup_batch_sizes(self) -> list[int]:
         return list(self.backend.warmup_batch_sizes()) if isinstance(self.backend, WarmingBackend) else [1]

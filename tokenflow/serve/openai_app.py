@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import os
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -60,6 +61,7 @@ from tokenflow.serve.metrics import EngineMetrics
 from tokenflow.serve.openai_protocol import (
     PASSTHROUGH,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     decode_as,
     decode_body,
@@ -144,6 +146,7 @@ def openai_routes() -> list[Route]:
         Route("/v1/completions", _guarded(partial(_serve, chat=False)), methods=["POST"]),
         Route("/v1/chat/completions", _guarded(partial(_serve, chat=True)), methods=["POST"]),
         Route("/v1/models", _guarded(models), methods=["GET"]),
+        Route("/v1/embeddings", _guarded(embeddings), methods=["POST"]),
         Route("/tokenize", _guarded(tokenize), methods=["POST"]),
         Route("/detokenize", _guarded(detokenize), methods=["POST"]),
         Route("/health", _guarded(health, auth=False), methods=["GET"]),
@@ -321,6 +324,25 @@ async def tokenize(request: Request, settings: HTTPSettings) -> Response:
     else:
         tokens = await engine.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.loaded.max_model_len})
+
+
+async def embeddings(request: Request, settings: HTTPSettings) -> Response:
+    """OpenAI's body -> `{"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model",
+    "usage"}`; with `encoding_format: "base64"` each embedding is its little-endian float32 bytes in base64."""
+    engine: Engine = request.app.state.engine
+    body = decode_as(await _read_body(request, settings.max_request_bytes), EmbeddingRequest)
+    if (unknown := _unknown_model(body.model, engine)) is not None:
+        return unknown
+    vectors, tokens = await engine.embed_with_usage(body.input, pooling=body.pooling, normalize=body.normalize)
+    if body.dimensions is not None and body.dimensions != len(vectors[0]):
+        raise InvalidRequest(f"this model's embeddings have {len(vectors[0])} dimensions; `dimensions` may only "
+                             "say so (no truncation)", field="dimensions")
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
+             if body.encoding_format == "base64" else v}
+            for i, v in enumerate(vectors)]
+    return JSONResponse({"object": "list", "data": data, "model": engine.model_name,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
 async def detokenize(request: Request, settings: HTTPSettings) -> Response:

@@ -185,6 +185,19 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     add_special_tokens: bool = True
 
 
+class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """OpenAI's `POST /v1/embeddings` (`dimensions` only as the model's own size; `user` accepted and unused),
+    plus vLLM's `normalize` and tokenflow's `pooling`."""
+
+    model: str | None = None
+    input: str | list[Any]  # texts or token-id lists: `Engine.embed` checks each item
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    normalize: bool | None = None
+    pooling: str | None = None
+
+
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     model: str | None = None
     tokens: list[int]

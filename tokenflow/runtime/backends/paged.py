@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tokenflow import registry
-from tokenflow.config import EngineConfig
+from tokenflow.config import DEFAULT_BATCH_TOKENS, EngineConfig
 from tokenflow.errors import ModelLoadError
 from tokenflow.hub.cache import tokenflow_home
 from tokenflow.kv.kv_cache import KVCache
@@ -243,6 +243,13 @@ class PagedBackend:
             self.runner.graphs = None
             self.graph_error = repr(exc)
             torch.cuda.empty_cache()
+
+    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+        """Model thread: the final hidden states of `token_ids` (`Engine.embed`), a step's token budget at a
+        time over a scratch cache (`PagedModelRunner.hidden_states`)."""
+        assert self.runner is not None
+        chunk = self.config.max_batch_tokens or DEFAULT_BATCH_TOKENS.get(self.runner.device.type, 512)
+        return self.runner.hidden_states(token_ids, chunk)
 
     def shrink_kv(self, num_blocks: int) -> None:
         """Model thread: free the KV memory of blocks from `num_blocks` on (the pool gave those ids up);
