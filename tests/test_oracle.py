@@ -132,3 +132,47 @@ async def test_paged_greedy_on_mixture_of_experts(tmp_path, arch) -> None:
                       prefix_caching=False) as engine:
         assert await run_concurrently(engine, prompts, max_tokens=12) == want
         assert engine.stats()["num_preemptions"] > 0
+
+
+# the model's own sliding window, shorter than the prompts: mistral (every layer), qwen2 with use_sliding_window
+# (layers from max_window_layers on), gemma2 (alternate layers, and attention logit soft-capping) and gemma3
+# (alternate layers, a RoPE base each); their HF modules pass each layer's window to paged attention
+WINDOWED = {"mistral": dict(sliding_window=16), "gemma2": dict(sliding_window=16), "gemma3": dict(sliding_window=16),
+            "qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)}
+
+
+@pytest.mark.parametrize("arch", sorted(WINDOWED))
+async def test_paged_greedy_with_the_models_own_sliding_window(tmp_path, arch) -> None:
+    from tokenflow.testing import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / arch, arch=arch, **WINDOWED[arch])
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = make_prompts(400, [5, 40, 90, 13, 60], seed=3)
+    want = [hf_greedy(model, prompt, 24) for prompt in prompts]
+    dense = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, sliding_window=10**6).eval()
+    assert any(hf_greedy(dense, prompt, 24) != w for prompt, w in zip(prompts, want)), "the window must matter"
+    async with Engine(folder, max_batch_tokens=32) as engine:
+        assert await run_concurrently(engine, prompts, max_tokens=24, stagger_s=0.01) == want
+    blocks = 6 if arch == "mistral" else 14  # mistral's requests hold only their window's blocks
+    async with Engine(folder, max_batch_tokens=32, num_kv_blocks=blocks, kv_high_watermark=1.0,
+                      prefix_caching=False) as engine:  # preempted and recomputed
+        assert await run_concurrently(engine, prompts, max_tokens=24) == want
+        assert engine.stats()["num_preemptions"] > 0
+
+
+async def test_blocks_behind_a_window_every_layer_uses_are_freed(tmp_path) -> None:
+    """Mistral's window covers every layer: a long generation holds the window's blocks, not its length's."""
+    from tokenflow.testing import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "mistral", arch="mistral", sliding_window=32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = make_prompts(400, [70], seed=4)[0]
+    async with Engine(folder, block_size=16) as engine:
+        assert engine.ctx.model_window == 32
+        used = []
+        tokens = []
+        async for chunk in engine.stream(prompt, max_tokens=300, temperature=0.0, ignore_eos=True):
+            tokens += chunk.token_ids
+            used.append(engine.stats()["kv_blocks_used"])
+    assert tokens == hf_greedy(model, prompt, 300)
+    assert max(used[5:]) <= 32 // 16 + 2 < (70 + 300) // 16, used  # the window's blocks and the one being filled

@@ -168,7 +168,8 @@ class Engine:
             log.warning("kv_compression needs a backend that compresses its KV (`paged`); it is off")
             config = self.config = msgspec.structs.replace(config, kv_compression=None)
         if ctx.pool is not None:
-            loaded.max_model_len = ctx.max_model_len = context_the_pool_holds(config, ctx.pool, loaded.max_model_len)
+            loaded.max_model_len = ctx.max_model_len = context_the_pool_holds(config, ctx.pool, loaded.max_model_len,
+                                                                              ctx.model_window)
         ctx.serving_key = await model_thread.run(
             serving_key, fingerprint, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, config
         )
@@ -731,7 +732,8 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def context_the_pool_holds(config: EngineConfig, pool: Any, max_model_len: int) -> int:
+def context_the_pool_holds(config: EngineConfig, pool: Any, max_model_len: int,
+                           model_window: int | None = None) -> int:
     """The context length the engine serves: `max_model_len`, unless the KV pool cannot hold one sequence
     that long. Then a `max_model_len` the user set is refused (`ConfigError`), and one derived from the
     model is clamped to what the pool holds, with a warning: a request that fits the context must never
@@ -739,8 +741,9 @@ def context_the_pool_holds(config: EngineConfig, pool: Any, max_model_len: int) 
     block = pool.block_size
     needed = pool.blocks_needed(max_model_len)
     policy = config.attention_policy
-    if policy.window is not None:  # sliding: sinks + window + one step's chunk, however long a sequence runs
-        held = pool.blocks_needed(policy.sink_tokens) + pool.blocks_needed(policy.window) + 1
+    window, sinks = (policy.window, policy.sink_tokens) if policy.window is not None else (model_window, 0)
+    if window is not None:  # sliding: sinks + window + one step's chunk, however long a sequence runs
+        held = pool.blocks_needed(sinks) + pool.blocks_needed(window) + 1
         needed = min(needed, held + pool.blocks_needed(config.max_batch_tokens or block))
     if needed <= pool.num_blocks:
         return max_model_len
@@ -751,7 +754,7 @@ def context_the_pool_holds(config: EngineConfig, pool: Any, max_model_len: int) 
             f"max_model_len={config.max_model_len} needs {needed} KV blocks for one sequence, but the KV pool has "
             f"{pool.num_blocks} ({holds} tokens): lower max_model_len or enlarge the pool ({sizes})",
             field="max_model_len")
-    if policy.window is not None or holds < 2 * block:
+    if window is not None or holds < 2 * block:
         raise ConfigError(f"the KV pool of {pool.num_blocks} blocks cannot hold one sequence: enlarge it ({sizes})",
                           field="num_kv_blocks")
     log.warning("the KV pool holds %d tokens, fewer than the model's context of %d: serving max_model_len=%d "

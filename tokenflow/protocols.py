@@ -79,6 +79,9 @@ class EngineContext:
     pool: KVPool | None = None
     scheduler: Scheduler | StaticScheduler | None = None
     observers: list[EngineObserver] = field(default_factory=list)  # told about steps and request ends
+    # set by a paged backend when every layer of the model attends to its last `model_window` tokens only: the
+    # scheduler frees the blocks behind it (Mistral's and Qwen2's own windows)
+    model_window: int | None = None
 
 
 class EngineObserver(Protocol):

@@ -63,6 +63,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any) ->
         "mistral": transformers.MistralConfig,
         "phi3": transformers.Phi3Config,
         "gemma": transformers.GemmaConfig,
+        "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "phi": transformers.PhiConfig,
         "granite": transformers.GraniteConfig,
@@ -95,7 +96,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any) ->
         base["pad_token_id"] = None  # its default (32000) lies past a tiny vocabulary
     if arch == "granite":  # multipliers away from 1, as Granite 3's: each one left out changes the output
         base.update(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.5)
-    if arch in ("gemma", "gemma3"):
+    if arch in ("gemma", "gemma2", "gemma3"):
         base["head_dim"] = 16  # its default (256) is not hidden / heads
     if arch == "gemma3":  # one local and one global layer: a RoPE base each (10k and 1M), a window past the context
         base["layer_types"] = ["sliding_attention", "full_attention"]

@@ -258,15 +258,33 @@ def test_model_is_bound_to_the_runner() -> None:
         model(torch.tensor([[1, 2, 3]]))
 
 
-def test_refuses_sliding_window() -> None:
-    model = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=4))
-    with pytest.raises(ModelLoadError, match=r"mistral.*sliding"):
-        make_runner(model)
-    qwen2 = Qwen2ForCausalLM(
-        Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    )
-    with pytest.raises(ModelLoadError, match=r"qwen2.*sliding"):
-        make_runner(qwen2)
+@pytest.mark.parametrize("which", ["mistral", "qwen2", "gemma2"])
+def test_the_models_own_window_and_softcap_match_its_forward_across_chunks(which: str) -> None:
+    """A window of 8 (Mistral: every layer; Qwen2: from max_window_layers on; Gemma 2: alternate layers, with
+    attention logit soft-capping) over 40 tokens in chunks and decodes: the model's own forward's logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    model = {"mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=8)),
+             "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8,
+                                                           max_window_layers=1)),
+             "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**{**COMMON, "head_dim": 16}, sliding_window=8,
+                                                              attn_logit_softcapping=5.0))}[which]().eval()
+    ref = copy.deepcopy(model)
+    runner, pool = make_runner(model)
+    assert runner.fused is None  # the HF modules pass each layer's window (and soft-cap) to paged attention
+    tokens = torch.randint(0, 256, (44,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = reference_logits(ref, tokens)
+    seq = Seq(tokens[:13])
+    got = [runner.execute([seq.chunk(pool, 13)])[0]]
+    for start, end in ((13, 30), (30, 40)):
+        seq.tokens += tokens[start:end]
+        got.append(runner.execute([seq.chunk(pool, end - start)])[0])
+    for t in tokens[40:]:
+        seq.tokens.append(t)
+        got.append(runner.execute([seq.chunk(pool, 1)])[0])
+    rows = [12, 29, 39, 40, 41, 42, 43]
+    torch.testing.assert_close(torch.stack(got), want[rows], atol=1e-4, rtol=1e-4)
 
 
 def test_window_wider_than_max_model_len_is_dense_and_guarded() -> None:
@@ -293,14 +311,6 @@ def test_refuses_unknown_attention_argument(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ModelLoadError, match="softcap"):
         make_runner(model)
     assert model.config._attn_implementation == "sdpa"  # left usable by the `hf` backend
-
-
-def test_refuses_gemma2() -> None:
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    cfg = Gemma2Config(**{**COMMON, "head_dim": 16})
-    with pytest.raises(ModelLoadError, match="gemma2"):
-        make_runner(Gemma2ForCausalLM(cfg))
 
 
 def test_refuses_models_without_attention_or_with_alibi_by_name() -> None:

@@ -45,7 +45,7 @@ from tokenflow.runtime.fused_layers import fused_decoder_for, runs_own_copies
 from tokenflow.runtime.layer_families import model_window
 from tokenflow.runtime.sampler import GreedyTokens
 
-__all__ = ("PagedModelRunner", "SeqChunk", "check_model_supported")
+__all__ = ("PagedModelRunner", "SeqChunk", "all_layers_windowed", "check_model_supported", "own_window")
 
 # RoPE types that depend on the batch's largest position: wrong when sequences are packed.
 _UNSUPPORTED_ROPE = frozenset({"dynamic", "longrope"})
@@ -127,17 +127,12 @@ def check_model_supported(model: torch.nn.Module, max_model_len: int | None = No
     alibi = getattr(cfg, "alibi", False) or getattr(getattr(cfg, "attn_config", None), "alibi", False)
     if mtype == "bloom" or alibi:  # biases added to the scores per head and distance, not positions in Q and K
         raise refuse("ALiBi position biases")
-    window = model_window(cfg)
-    limit = max_model_len or getattr(cfg, "max_position_embeddings", None)
-    if window is not None and (limit is None or window < limit):
-        raise refuse(f"sliding-window attention (sliding_window={window})")
+    # a model's own sliding window (per layer where `layer_types` mixes them) and Gemma 2's attention logit
+    # soft-capping reach the attention as arguments of each layer's call (`attention/model_window.py`)
     layer_types = getattr(cfg, "layer_types", None) or ()
     odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    if odd:  # sliding layers are judged by the window above
+    if odd:
         raise refuse(f"layer types {odd}")
-    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
-        if getattr(cfg, name, None) is not None:
-            raise refuse(f"attention logit softcapping ({name})")
     if any(hasattr(m, "sinks") and getattr(m, "layer_idx", None) is not None for m in model.modules()):
         raise refuse("attention sinks")
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
@@ -151,6 +146,22 @@ def check_model_supported(model: torch.nn.Module, max_model_len: int | None = No
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():
         raise refuse("attention that does not go through transformers' AttentionInterface")
+
+
+def own_window(config: object, max_model_len: int | None = None) -> int | None:
+    """The model's own sliding window where it masks something within `max_model_len` (the model's context when
+    None), else None."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = model_window(cfg)
+    limit = max_model_len or getattr(cfg, "max_position_embeddings", None)
+    return window if window is not None and (limit is None or window < limit) else None
+
+
+def all_layers_windowed(config: object) -> bool:
+    """Whether every layer attends through the model's own window (no full-attention layer keeps old keys)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(cfg, "layer_types", None)
+    return model_window(cfg) is not None and (not layer_types or all(t == "sliding_attention" for t in layer_types))
 
 
 def _rope_inv_freq(model: torch.nn.Module) -> torch.Tensor:
@@ -212,6 +223,8 @@ class PagedModelRunner:
     ) -> None:
         check_model_supported(model, max_model_len)
         _check_cache_matches(model, kv_cache)
+        if (window is not None or topk_budget is not None) and own_window(model.config, max_model_len) is not None:
+            raise ModelLoadError("this model's own sliding window runs with attention='dense' only")
         self.model = model.eval()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size

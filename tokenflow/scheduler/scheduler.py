@@ -109,6 +109,8 @@ class Scheduler:
     async def start(self, ctx: EngineContext) -> None:
         self.pool = ctx.pool
         self.max_model_len = ctx.max_model_len
+        if self.window is None and ctx.model_window is not None:  # the model's own window: no sinks
+            self.window, self.sink_tokens = ctx.model_window, 0
 
     @property
     def kv(self) -> KVPool:

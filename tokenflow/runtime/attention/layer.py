@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.runtime.attention.matmul import decode_attention, prefill_attention
+from tokenflow.runtime.attention.model_window import window_decode, window_prefill
 from tokenflow.runtime.attention.sliding import sliding_attention
 from tokenflow.runtime.attention.snapkv import key_scores
 from tokenflow.runtime.attention.static_decode import static_decode_attention
@@ -178,12 +179,18 @@ class LayerAttention:
         v_new: torch.Tensor,  # [T, KVH, D]
         meta: PagedAttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """Write this layer's new K/V into the cache, attend; returns `[T, H, D]` in packed order."""
+        """Write this layer's new K/V into the cache, attend; returns `[T, H, D]` in packed order. With the
+        model's own `window` or logit `softcap` (its transformers modules pass them), torch ops
+        (`model_window.py`)."""
         if meta.calls is not None:
             meta.calls.append(layer)
         cache = meta.kv_cache
         self._write(cache, layer, meta.slot_mapping, k_new, v_new)
+        if window is not None or softcap is not None:
+            return self._windowed(layer, q_rows, k_new, v_new, meta, scale, window, softcap)
         if meta.static_decode is not None:
             return static_decode_attention(q_rows, cache, layer, meta.static_decode, scale)
         num_heads, head_dim = q_rows.shape[1], q_rows.shape[2]
@@ -199,6 +206,26 @@ class LayerAttention:
                    for sl in meta.sliding]
         pieces += [topk_attention(q_rows[sparse.row], cache, layer, sparse, scale).unsqueeze(0)
                    for sparse in meta.topk]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+    @staticmethod
+    def _windowed(layer: int, q_rows: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                  meta: PagedAttentionMetadata, scale: float, window: int | None, softcap: float | None
+                  ) -> torch.Tensor:
+        if meta.static_decode is not None or meta.sliding or meta.topk or meta.key_scores is not None:
+            from tokenflow.runtime.attention.paged import UnsupportedAttentionFeature  # paged imports this module
+
+            raise UnsupportedAttentionFeature(
+                "a model's own sliding window or logit soft-capping runs without CUDA graphs, attention='sliding' "
+                "or 'topk' and kv_compression")
+        cache = meta.kv_cache
+        num_heads, head_dim = q_rows.shape[1], q_rows.shape[2]
+        num_kv_heads = k_new.shape[1]
+        pieces = [window_decode(q_rows[grp.q_start : grp.q_end].reshape(-1, num_kv_heads, num_heads // num_kv_heads,
+                                                                           head_dim),
+                                cache, layer, grp, scale, window, softcap) for grp in meta.decodes]
+        pieces += [window_prefill(q_rows, k_new, v_new, cache, layer, seg, scale, window, softcap)
+                   for seg in meta.prefills]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
     def _write(self, cache: KVCache, layer: int, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:

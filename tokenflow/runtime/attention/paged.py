@@ -147,25 +147,31 @@ def register() -> None:
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 
 
-def _check_kwargs(module: torch.nn.Module, meta: PagedAttentionMetadata, kwargs: dict[str, Any]) -> None:
+def _check_kwargs(module: torch.nn.Module, meta: PagedAttentionMetadata,
+                  kwargs: dict[str, Any]) -> tuple[int | None, float | None]:
+    """The layer's own sliding window (None where it masks nothing in this step) and logit soft-cap; refuses
+    any other argument it cannot honour."""
+    window: int | None = None
+    softcap: float | None = None
     for name, value in kwargs.items():
         if value is None or name in _HARMLESS_KWARGS:
             if name == "output_attentions" and value:
                 raise UnsupportedAttentionFeature("paged attention cannot return attention weights")
             continue
         if name == "sliding_window":
-            # A window at least as long as every context in the step masks nothing.
-            if value >= meta.max_context:
-                continue
-            raise UnsupportedAttentionFeature(
-                f"sliding_window={value} (context {meta.max_context}) is not implemented by paged attention"
-            )
+            # a window at least as long as every context in the step masks nothing
+            window = int(value) if value < meta.max_context else None
+            continue
+        if name == "softcap":
+            softcap = float(value)
+            continue
         if name == "is_causal" and value:
             continue
         raise UnsupportedAttentionFeature(
             f"{type(module).__name__} passed attention argument {name}={value!r}, "
             "which paged attention does not implement"
         )
+    return window, softcap
 
 
 def paged_attention_forward(
@@ -185,8 +191,7 @@ def paged_attention_forward(
             f"attention '{ATTENTION_NAME}' called without '{META_KWARG}': this model is bound to a "
             "PagedModelRunner; call it through PagedModelRunner.execute"
         )
-    if kwargs:
-        _check_kwargs(module, meta, kwargs)
+    window, softcap = _check_kwargs(module, meta, kwargs) if kwargs else (None, None)
     if attention_mask is not None:
         raise UnsupportedAttentionFeature(f"{type(module).__name__} built its own attention mask")
     if dropout:
@@ -198,4 +203,5 @@ def paged_attention_forward(
     v_new = value[0].transpose(0, 1)  # [T, KVH, D]
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     assert meta.attention is not None
-    return meta.attention(module.layer_idx, q_rows, k_new, v_new, meta, scale).unsqueeze(0), None  # [1, T, H, D]
+    out = meta.attention(module.layer_idx, q_rows, k_new, v_new, meta, scale, window, softcap)
+    return out.unsqueeze(0), None  # [1, T, H, D]

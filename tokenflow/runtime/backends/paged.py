@@ -25,7 +25,13 @@ from tokenflow.runtime.cpu.packed_linear import pack_linears
 from tokenflow.runtime.cpu.rms_norm import fuse_rms_norms
 from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.gated_mlp import inplace_gated_mlps
-from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk, check_model_supported
+from tokenflow.runtime.paged_runner import (
+    PagedModelRunner,
+    SeqChunk,
+    all_layers_windowed,
+    check_model_supported,
+    own_window,
+)
 from tokenflow.runtime.quantize import quantize_runner
 from tokenflow.runtime.sampler import GreedyTokens, argmax_only
 
@@ -172,6 +178,8 @@ class PagedBackend:
             release_weights=True,  # where the fused layers run packed copies, the HF layers' weights go
         )
         self._prepare_layers(ctx, model)
+        if attention.window is None and all_layers_windowed(model.config):
+            ctx.model_window = own_window(model.config, ctx.max_model_len)
         if profile:  # the pool from what the measured step leaves free
             del kv_cache
             num_blocks = self._pool_after_profile(ctx, per_block)
