@@ -164,6 +164,12 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     # paged, greedy requests: n-gram (prompt lookup) draft tokens verified per step (0: off)
     speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=16)] = 0
     speculative_max_seqs: Positive = 4  # speculate only while at most this many requests run
+    # LoRA (PEFT folders): adapters by name, loaded at start; enable_lora also without any, for `load_lora` later.
+    # Requests of several adapters and none share a batch; the model runs its transformers modules then (not the
+    # fused CPU layers) in fp32/bf16, with no int8, GGUF-quantised weights or compile
+    lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    enable_lora: bool = False
+    max_loras: Positive = 8  # adapters served at once
     pack_cpu_weights: bool = True  # paged on CPU in fp32 or bf16: linear layers also keep a oneDNN-packed weight copy
     fused_layers: bool = True  # paged, Llama-family models: tokenflow's fused layer loop instead of the HF modules
     native_kernels: bool = True  # paged, bf16/fp32 on CPU: C kernels (attention, RMSNorm, RoPE, ...), needs cc
@@ -179,8 +185,16 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
             raise ValueError("`speculative_tokens` needs attention='dense'")
         if self.kv_compression and self.attention != "dense":
             raise ValueError("`kv_compression` needs attention='dense'")
+        if self.lora_enabled and (self.quantization or self.compile):
+            raise ValueError("LoRA adapters run on the float weights: not with `quantization` or `compile`")
+        if len(self.lora_adapters) > self.max_loras:
+            raise ValueError(f"{len(self.lora_adapters)} lora_adapters; `max_loras` is {self.max_loras}")
         if self.kv_cache_dtype == "int8" and self.attention == "topk":
             raise ValueError("kv_cache_dtype='int8' does not run with attention='topk' (whose bounds read the cache)")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_adapters)
 
     def for_device(self, device_type: str) -> EngineConfig:
         """This config with its device-dependent defaults filled in (the engine calls it once the model

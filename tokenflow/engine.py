@@ -52,6 +52,7 @@ from tokenflow.runtime.cpu.malloc_tuning import return_freed_memory
 from tokenflow.runtime.cpu.openmp_team import release_openmp_team
 from tokenflow.runtime.gc_heap import freeze_heap, release_heap
 from tokenflow.runtime.loader import LoadedModel, load_model
+from tokenflow.runtime.lora import LoraAdapter, load_adapter
 from tokenflow.runtime.model_thread import ModelThread
 from tokenflow.runtime.pooling import POOLING_MODES, Pooling, pooling_for
 from tokenflow.runtime.sampler import make_generator
@@ -102,6 +103,7 @@ class Engine:
         self.limits: RequestLimits | None = None
         self.model_name = ""
         self.pooling = Pooling()  # `embed`'s default: the model folder's own (sentence-transformers), set at start
+        self.adapters: dict[str, LoraAdapter] = {}  # LoRA adapters served, by name (`load_lora`, `lora_adapters`)
         self._froze_heap = False  # this engine's start froze the GC heap (`freeze_gc`); its close releases it
         self._home: object | None = None  # the event loop that started the engine: the only one it serves
         self._home_thread = 0
@@ -164,6 +166,11 @@ class Engine:
         )
         backend = registry.load_backend(config.backend, config)
         await model_thread.run(backend.load, ctx, loaded.model)
+        if config.lora_enabled and not hasattr(backend, "runner"):
+            raise ConfigError(f"LoRA adapters run on the `paged` backend, not {config.backend!r}", field="backend")
+        for name, folder in config.lora_adapters.items():
+            self._check_lora_name(name)
+            self.adapters[name] = await model_thread.run(load_adapter, name, folder, loaded.model)
         if config.kv_compression and (ctx.pool is None or not isinstance(backend, CompressingBackend)):
             log.warning("kv_compression needs a backend that compresses its KV (`paged`); it is off")
             config = self.config = msgspec.structs.replace(config, kv_compression=None)
@@ -342,6 +349,32 @@ class Engine:
             return await stage.encode_chat(messages, checked)
         return await stage.encode(prompt, add_special_tokens=add_special_tokens)  # type: ignore[arg-type]
 
+    async def load_lora(self, name: str, folder: str | os.PathLike[str]) -> None:
+        """Serve the PEFT LoRA folder `folder` as `name` from now on (needs `enable_lora` or `lora_adapters` at
+        start): requests with `lora=name` (HTTP `"model": name`) run with it, beside every other."""
+        self._check_open()
+        assert self.loaded is not None and self._model_thread is not None
+        if not self.config.lora_enabled:
+            raise InvalidRequest("this engine was started without LoRA: start it with enable_lora=True", field="lora")
+        self._check_lora_name(name)
+        if name in self.adapters:
+            raise InvalidRequest(f"a LoRA adapter named {name!r} is already served: unload it first", field="lora")
+        if len(self.adapters) >= self.config.max_loras:
+            raise InvalidRequest(f"{len(self.adapters)} LoRA adapters are served, max_loras is "
+                                 f"{self.config.max_loras}: unload one first", field="lora")
+        self.adapters[name] = await self._model_thread.run(load_adapter, name, folder, self.loaded.model)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name`: new requests naming it are refused; requests already admitted finish
+        with it."""
+        if self.adapters.pop(name, None) is None:
+            raise InvalidRequest(f"no LoRA adapter named {name!r} is served", field="lora")
+
+    def _check_lora_name(self, name: str) -> None:
+        if not isinstance(name, str) or not name or len(name) > 256 or name == self.model_name:
+            raise InvalidRequest(f"a LoRA adapter needs a name (up to 256 characters) other than the model's, got "
+                                 f"{name!r}", field="lora")
+
     async def embed(self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *,
                     pooling: str | None = None, normalize: bool | None = None) -> list[list[float]]:
         """One vector per input (a text, a token-id list, or a list of either): the model's final hidden states
@@ -462,6 +495,12 @@ class Engine:
                                  f"[0, {self.loaded.vocab_size})", field="logit_bias")
         self.limits.check_prompt(prompt, messages)
         request = Request(sampling, messages=messages, arrival_time=anyio.current_time())
+        if sampling.lora is not None:
+            request.adapter = self.adapters.get(sampling.lora)
+            if request.adapter is None:
+                served = ", ".join(sorted(self.adapters)) or "none"
+                raise InvalidRequest(f"no LoRA adapter named {sampling.lora!r} is served (served: {served})",
+                                     field="lora")
         if choice is not None:
             request.tool_choice = choice
             request.tools = None if choice == "none" else tools

@@ -60,6 +60,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     timeout: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
     deadline: float | None = None
     cache_salt: str | None = None
+    lora: str | None = None  # a LoRA adapter the engine serves (`lora_adapters`, `load_lora`); None: the base model
     cache_response: bool | None = None  # None: the engine's `response_cache` setting decides
     logit_bias: dict[TokenId, Bias] | None = None  # token id -> added to its logit before sampling
     # -- structured outputs: at most one; the output is constrained to match it --

@@ -161,6 +161,7 @@ class Request:
     constraint: LLMatcher | None = None  # structured output: the grammar state its tokens have reached
     tools: list[dict[str, Any]] | None = None  # chat: the tools the template shows (tool_choice "none": None)
     tool_choice: str | dict[str, Any] | None = None  # set with tools: how the output is read back
+    adapter: Any = None  # the LoRA adapter (`runtime.lora.LoraAdapter`) `params.lora` names, resolved at admission
     response_record: list[Chunk] | None = None  # chunks emitted so far, kept for a response tier to store
     num_prefix_queried_tokens: int = 0  # prompt tokens already counted in the prefix cache's hit rate
     # Plugin state: one entry per `RequestSlot` (typed by the slot), never a free string-keyed dict.

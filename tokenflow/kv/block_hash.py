@@ -68,11 +68,13 @@ def model_key(model: Any, block_size: int, attention: str = "dense") -> bytes:
     return h.digest()
 
 
-def prefix_root(model_key: bytes, cache_salt: str | None) -> bytes:
-    """The parent key of a sequence's first block: model identity plus tenant salt."""
+def prefix_root(model_key: bytes, cache_salt: str | None, adapter_key: bytes | None = None) -> bytes:
+    """The parent key of a sequence's first block: model identity plus tenant salt and LoRA adapter."""
     h = hashlib.blake2b(model_key, digest_size=_DIGEST, person=b"tokenflow-root")
     if cache_salt is not None:
         h.update(b"\x00salt\x00" + cache_salt.encode("utf-8", "surrogatepass"))
+    if adapter_key is not None:
+        h.update(b"\x00lora\x00" + adapter_key)
     return h.digest()
 
 

@@ -145,7 +145,7 @@ class PrefixCache(BlockPool):
         """Keys of the request's full blocks within its first `num_tokens` tokens (hashed once each)."""
         limit = request.num_tokens if num_tokens is None else min(num_tokens, request.num_tokens)
         if len(request.block_keys) < limit // self.block_size:  # only then build the token list
-            root = prefix_root(self.model_key, request.params.cache_salt)
+            root = prefix_root(self.model_key, request.params.cache_salt, _adapter_key(request))
             block_keys(request.all_token_ids[:limit], self.block_size, root, request.block_keys)
         return request.block_keys
 
@@ -182,7 +182,8 @@ class PrefixCache(BlockPool):
             hits = self.resident_prefix(keys)  # installing its load may have evicted or added blocks
         unreferenced = sum(1 for b in hits if self._ref_count[b] == 0)
         num_tokens = len(hits) * self.block_size
-        parent = keys[len(hits) - 1].hash if hits else prefix_root(self.model_key, request.params.cache_salt)
+        root = prefix_root(self.model_key, request.params.cache_salt, _adapter_key(request))
+        parent = keys[len(hits) - 1].hash if hits else root
         partial = self.partial_block(request, parent, num_tokens)
         if partial is None:
             return PrefixHit(hits, num_tokens, unreferenced)
@@ -369,3 +370,9 @@ def create(
     return PrefixCache(
         num_blocks, block_size, policy=policy, prefix_caching=config.prefix_caching, model_key=model_key, kv=kv
     )
+
+
+def _adapter_key(request: Request) -> bytes | None:
+    """The content hash of the request's LoRA adapter: its blocks are its own (never another adapter's)."""
+    adapter = getattr(request, "adapter", None)
+    return adapter.key if adapter is not None else None

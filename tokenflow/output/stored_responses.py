@@ -77,7 +77,8 @@ def response_key(serving_key: bytes, request: Request) -> str | None:
         else {"tokens": request.prompt_token_ids}
     )
     try:
-        encoded = msgspec.json.encode([serving_key.hex(), prompt, fields])
+        adapter = request.adapter.key.hex() if request.adapter is not None else None  # by content, not name
+        encoded = msgspec.json.encode([serving_key.hex(), prompt, fields, adapter])
     except (TypeError, msgspec.EncodeError):
         return None
     return hashlib.blake2b(encoded, digest_size=20).hexdigest()

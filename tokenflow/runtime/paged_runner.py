@@ -19,7 +19,7 @@ import contextlib
 import inspect
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,7 @@ from tokenflow.runtime.cpu.native_kernels import load_native_kernels
 from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.fused_layers import fused_decoder_for, runs_own_copies
 from tokenflow.runtime.layer_families import model_window
+from tokenflow.runtime.lora import LoraAdapter, step_rows
 from tokenflow.runtime.sampler import GreedyTokens
 
 __all__ = ("PagedModelRunner", "SeqChunk", "all_layers_windowed", "check_model_supported", "own_window")
@@ -65,6 +66,7 @@ class SeqChunk:
     sample: bool  # whether the logits of the last token are wanted
     num_logits: int = 1  # with `sample`: logits of this many last tokens (a draft being verified)
     position_offset: int = 0  # RoPE position minus cache position (tokens dropped by kv_compression)
+    adapter: LoraAdapter | None = None  # the LoRA adapter its rows run with (`runtime/lora.py`), None: the base
 
 
 class _PackedRows:
@@ -102,6 +104,7 @@ class PackedStep:
     position_ids: torch.Tensor  # [1, num_tokens] long
     logits_to_keep: torch.Tensor  # [num_sampled] long: packed rows to project, in chunk order
     meta: PagedAttentionMetadata
+    lora_rows: list[tuple[LoraAdapter, torch.Tensor]] = field(default_factory=list)  # packed rows per adapter
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -330,6 +333,12 @@ class PagedModelRunner:
         return out if isinstance(out, GreedyTokens) else out.cpu()
 
     def _forward(self, step: PackedStep, greedy: bool = False) -> torch.Tensor | GreedyTokens:
+        if step.lora_rows:
+            with step_rows(step.lora_rows):
+                return self._model_forward(step, greedy)
+        return self._model_forward(step, greedy)
+
+    def _model_forward(self, step: PackedStep, greedy: bool) -> torch.Tensor | GreedyTokens:
         if self.fused is not None:
             with torch.inference_mode(), sdpa_backends(self.device):
                 out = self.fused(step.input_ids, step.position_ids, step.logits_to_keep, step.meta, greedy)
@@ -396,11 +405,18 @@ class PagedModelRunner:
             attention=self.attention_for(kv_cache),
             native=self.native,
         )
+        by_adapter: dict[int, tuple[LoraAdapter, list[int]]] = {}
+        for i, c in enumerate(chunks):
+            if c.adapter is not None:
+                last = rows.last_row[i]
+                by_adapter.setdefault(id(c.adapter), (c.adapter, []))[1].extend(
+                    range(last - len(c.token_ids) + 1, last + 1))
         return PackedStep(
             input_ids=torch.tensor([rows.ids], dtype=torch.long, device=self.device),
             position_ids=torch.tensor([rows.pos], dtype=torch.long, device=self.device),
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
             meta=meta,
+            lora_rows=[(a, torch.tensor(r, dtype=torch.long, device=self.device)) for a, r in by_adapter.values()],
         )
 
     def _classify(self, chunks: Sequence[SeqChunk]) -> tuple[list[int], list[int], list[int], list[int]]:

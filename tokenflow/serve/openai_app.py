@@ -304,10 +304,20 @@ async def health(request: Request, settings: HTTPSettings) -> Response:
 
 
 async def models(request: Request, settings: HTTPSettings) -> Response:
+    """The model, then each LoRA adapter served (`parent`: the model, as vLLM lists them)."""
     engine: Engine = request.app.state.engine
-    return JSONResponse({"object": "list", "data": [
-        {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "tokenflow",
-         "max_model_len": engine.loaded.max_model_len}]})  # vLLM's field: the context the engine serves
+    base = {"object": "model", "created": 0, "owned_by": "tokenflow",
+            "max_model_len": engine.loaded.max_model_len}  # vLLM's field: the context the engine serves
+    adapters = [{"id": name, **base, "parent": engine.model_name, "root": adapter.path}
+                for name, adapter in sorted(engine.adapters.items())]
+    return JSONResponse({"object": "list", "data": [{"id": engine.model_name, **base}, *adapters]})
+
+
+def _served_as(body: Any, engine: Engine, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The model name a response reports, and the request's keywords with the LoRA adapter `model` names."""
+    if body.model is not None and body.model in engine.adapters:
+        return body.model, {**kwargs, "lora": body.model}
+    return engine.model_name, kwargs
 
 
 async def tokenize(request: Request, settings: HTTPSettings) -> Response:
@@ -355,8 +365,9 @@ async def detokenize(request: Request, settings: HTTPSettings) -> Response:
 
 
 def _unknown_model(model: str | None, engine: Engine) -> Response | None:
-    """The 404 of a request for a model this server does not serve (as OpenAI and vLLM: no silent fallback)."""
-    if model is None or model == engine.model_name:
+    """The 404 of a request for a model this server does not serve (as OpenAI and vLLM: no silent fallback);
+    a LoRA adapter's name is a model too (vLLM's convention)."""
+    if model is None or model == engine.model_name or model in engine.adapters:
         return None
     return _json_error(404, f"The model `{model}` does not exist; this server serves `{engine.model_name}`.",
                        "invalid_request_error", code="model_not_found", param="model")
@@ -392,7 +403,7 @@ async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Res
     if len(prompts) > 1 or body.n > 1:
         return await _serve_many(request, settings, body, prompts, chat=chat)
     prompt, kwargs = to_engine_kwargs(body)
-    kwargs = await _apply_policy(request, kwargs, settings)
+    served, kwargs = _served_as(body, engine, await _apply_policy(request, kwargs, settings))
     rid = response_id(chat)
     started = time.perf_counter()
     call = engine.chat(prompt, **kwargs) if chat else engine.generate(prompt, **kwargs)
@@ -401,7 +412,7 @@ async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Res
         return Response(status_code=499)
     request.app.state.metrics.latency.observe(time.perf_counter() - started)
     return JSONResponse(completion_body(
-        done, chat=chat, model=engine.model_name, rid=rid, logprobs=kwargs.get("logprobs") is not None,
+        done, chat=chat, model=served, rid=rid, logprobs=kwargs.get("logprobs") is not None,
         tokenizer=engine.loaded.tokenizer, report_cached_tokens=settings.report_cached_tokens,
         echo=_echo_texts(body, [prompt], engine.loaded.tokenizer),
     ))
@@ -412,7 +423,7 @@ async def _serve_stream(request: Request, settings: HTTPSettings, body: Any, pro
     """Server-sent events of every choice (`n` per prompt, choice `p * n + i` being sample `i` of prompt
     `p`), interleaved as they are generated; an error before the first token still gets its status code."""
     engine: Engine = request.app.state.engine
-    kwargs = await _apply_policy(request, engine_kwargs(body), settings)
+    served, kwargs = _served_as(body, engine, await _apply_policy(request, engine_kwargs(body), settings))
     n = body.n
     started = time.perf_counter()
     if len(prompts) == 1 and n == 1:
@@ -439,7 +450,7 @@ async def _serve_stream(request: Request, settings: HTTPSettings, body: Any, pro
         and body.stream_options.include_usage, started, settings, n=n,
         logprobs=kwargs.get("logprobs") is not None, echo=_echo_texts(body, choices, engine.loaded.tokenizer),
         prompt_ids=[p if isinstance(p, list) and not chat else None for p in choices],
-        calls=[ToolCallStream(tools, tool_choice) for _ in choices] if tools else None))
+        calls=[ToolCallStream(tools, tool_choice) for _ in choices] if tools else None, model=served))
 
 
 async def _indexed(stream: AsyncIterator[Chunk]) -> AsyncIterator[tuple[int, Chunk]]:
@@ -469,8 +480,7 @@ async def _serve_many(request: Request, settings: HTTPSettings, body: Any, promp
     """Several choices: `n` samples of each prompt (the prompt prefilled once, see `Engine.generate_many`),
     choice `p * n + i` being sample `i` of prompt `p`."""
     engine: Engine = request.app.state.engine
-    kwargs = engine_kwargs(body)
-    kwargs = await _apply_policy(request, kwargs, settings)
+    served, kwargs = _served_as(body, engine, await _apply_policy(request, engine_kwargs(body), settings))
     n = body.n
     results: list[list[Completion] | Exception] = [[] for _ in prompts]
     started = time.perf_counter()
@@ -495,7 +505,7 @@ async def _serve_many(request: Request, settings: HTTPSettings, body: Any, promp
             raise result
     request.app.state.metrics.latency.observe(time.perf_counter() - started)
     return JSONResponse(completion_body(
-        [c for group in results if isinstance(group, list) for c in group], chat=chat, model=engine.model_name, n=n,
+        [c for group in results if isinstance(group, list) for c in group], chat=chat, model=served, n=n,
         logprobs=kwargs.get("logprobs") is not None, tokenizer=engine.loaded.tokenizer,
         report_cached_tokens=settings.report_cached_tokens,
         echo=_echo_texts(body, [p for p in prompts for _ in range(n)], engine.loaded.tokenizer)))
@@ -505,7 +515,7 @@ async def _events(request: Request, items: AsyncIterator[tuple[int, Chunk]], fir
                   rid: str, chat: bool, include_usage: bool, started: float, settings: HTTPSettings, *, n: int = 1,
                   logprobs: bool = False, echo: list[str] | None = None,
                   prompt_ids: list[list[int] | None] | None = None,
-                  calls: list[ToolCallStream] | None = None) -> AsyncIterator[str]:
+                  calls: list[ToolCallStream] | None = None, model: str | None = None) -> AsyncIterator[str]:
     """The SSE events of `(choice index, chunk)` items: per choice, chat's role delta (or the echoed prompt)
     first, then its deltas; usage (each prompt counted once) after the last."""
     engine: Engine = request.app.state.engine
@@ -513,11 +523,12 @@ async def _events(request: Request, items: AsyncIterator[tuple[int, Chunk]], fir
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     tokenizer = engine.loaded.tokenizer
+    model = model or engine.model_name
     usages: dict[int, Usage] = {}
     text_offset: dict[int, int] = {}
 
     def event(choice: dict[str, Any]) -> str:
-        return _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name, "choices": [choice]})
+        return _sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]})
 
     try:
         item = first
@@ -574,7 +585,7 @@ async def _events(request: Request, items: AsyncIterator[tuple[int, Chunk]], fir
             usage = Usage(prompt_tokens=sum(u.prompt_tokens for i, u in sorted(usages.items()) if i % n == 0),
                           completion_tokens=sum(u.completion_tokens for u in done),
                           cached_tokens=sum(u.cached_tokens for u in done))
-            yield _sse({"id": rid, "object": kind, "created": created, "model": engine.model_name, "choices": [],
+            yield _sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
                         "usage": _usage(usage, settings.report_cached_tokens)})
     finally:
         with anyio.CancelScope(shield=True):

@@ -25,6 +25,7 @@ from tokenflow.runtime.cpu.packed_linear import pack_linears
 from tokenflow.runtime.cpu.rms_norm import fuse_rms_norms
 from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.gated_mlp import inplace_gated_mlps
+from tokenflow.runtime.lora import install_lora_layers
 from tokenflow.runtime.paged_runner import (
     PagedModelRunner,
     SeqChunk,
@@ -173,11 +174,14 @@ class PagedBackend:
             model, kv_cache, max_model_len=ctx.max_model_len, self_check=config.self_check,
             window=attention.window, sinks=config.sink_tokens, topk_budget=attention.topk_budget,
             native_kernels=config.native_kernels,
-            fused_layers=config.fused_layers and not config.compile,  # compile works on the HF modules
+            # compile works on the HF modules; LoRA adds its products to the HF modules' linears (`runtime/lora.py`)
+            fused_layers=config.fused_layers and not config.compile and not config.lora_enabled,
             pack_weights=config.pack_cpu_weights and config.quantization is None,
             release_weights=True,  # where the fused layers run packed copies, the HF layers' weights go
         )
         self._prepare_layers(ctx, model)
+        if config.lora_enabled:
+            install_lora_layers(model)
         if attention.window is None and all_layers_windowed(model.config):
             ctx.model_window = own_window(model.config, ctx.max_model_len)
         if profile:  # the pool from what the measured step leaves free
@@ -297,7 +301,7 @@ class PagedBackend:
                 tokens = tokens + c.draft
             rows = c.num_logit_rows
             dropped = r.num_dropped_tokens  # kv_compression: the cache holds fewer positions than were computed
-            chunks.append(SeqChunk(tokens, start - dropped, r.block_table, rows > 0, max(rows, 1), dropped))
+            chunks.append(SeqChunk(tokens, start - dropped, r.block_table, rows > 0, max(rows, 1), dropped, r.adapter))
         if self.buckets and plan.num_tokens == len(chunks):  # decode-only: pad to a static batch size
             pad = padded_size(len(chunks), self.buckets) - len(chunks)
             chunks.extend(SeqChunk([0], 0, [self.scratch_block], False) for _ in range(pad))
