@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -438,3 +439,19 @@ def test_released_weights_go_as_the_layers_are_built_and_the_self_check_still_ju
     cache = KVCache.for_model(ref.config, num_blocks=64, block_size=BLOCK, dtype=dtype)
     with pytest.raises(ModelLoadError, match="differ"):
         PagedModelRunner(copy.deepcopy(ref), cache, release_weights=True)
+
+
+async def test_an_engine_on_a_model_without_attention_refuses_it_at_start(tmp_path: Path) -> None:
+    """The whole path a user takes: `Engine(folder)` on a Mamba checkpoint ends in a ModelLoadError naming the
+    feature, not an error from inside the KV sizing."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from tokenflow import Engine
+    from tokenflow.testing import _train_tokenizer
+
+    folder = tmp_path / "mamba"
+    MambaForCausalLM(MambaConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2)).save_pretrained(folder)
+    _train_tokenizer(400).save_pretrained(folder)
+    with pytest.raises(ModelLoadError, match="'mamba' uses layers without attention"):
+        async with Engine(folder):
+            pass
