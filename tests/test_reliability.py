@@ -282,7 +282,9 @@ async def test_breaker_opens_on_slow_steps_and_closes_when_they_recover(tiny_mod
 
 async def test_shutdown_with_callers_at_every_stage(tiny_model) -> None:
     """Tokenizing, waiting, prefilling, decoding: each caller gets its result or `EngineClosed`."""
-    settings = dict(max_num_seqs=2, tokenizer_window_ms=30.0, max_model_len=2048, num_kv_blocks=160)
+    # arrival order (prompt_token_wait_s=0): "short" is first in line whatever its prompt's length
+    settings = dict(max_num_seqs=2, tokenizer_window_ms=30.0, max_model_len=2048, num_kv_blocks=160,
+                    prompt_token_wait_s=0.0)
     engine = Engine(tiny_model, **{**BASE, **settings})
     threads = torch.get_num_threads()
     await engine.start()

@@ -490,6 +490,9 @@ class Engine:
         sampling = SamplingParams.from_kwargs(params, **kwargs)
         assert self.limits is not None
         self.limits.check_params(sampling)
+        if sampling.stop_token_ids and not all(0 <= t < self.loaded.vocab_size for t in sampling.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be token ids in [0, {self.loaded.vocab_size})",
+                                 field="stop_token_ids")
         if sampling.logit_bias and max(sampling.logit_bias) >= self.loaded.vocab_size:
             raise InvalidRequest(f"logit_bias names token {max(sampling.logit_bias)}, outside the vocabulary "
                                  f"[0, {self.loaded.vocab_size})", field="logit_bias")

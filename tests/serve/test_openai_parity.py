@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.servers import Server
+from tokenflow.serve.openai_protocol import ChatMessage, FunctionCall
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +261,55 @@ def test_streamed_echo(client: openai.OpenAI, tiny_model) -> None:
     offsets = [o for e in events if e.logprobs for o in e.logprobs.text_offset]
     assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
     assert values[0] is None and values[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-5)
+
+
+def test_a_chat_that_echoes_each_response_message_back(client: openai.OpenAI, server: Server) -> None:
+    """openai-python's multi-turn pattern, `messages.append(resp.choices[0].message.model_dump())`: the echoed
+    `refusal`, `annotations`, `audio` and `function_call` (all null) are accepted and the prompt is the one the
+    plain assistant text gives."""
+    messages: list[dict] = [{"role": "user", "content": "hello"}]
+    for turn in range(3):
+        done = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=5, temperature=0,
+                                              store=False, metadata={"turn": str(turn)})
+        echoed = done.choices[0].message.model_dump()
+        assert {"refusal", "annotations", "audio", "function_call"} <= set(echoed)
+        messages += [echoed, {"role": "user", "content": f"and {turn}?"}]
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        tokens = httpx.post(server.url + "/tokenize", json={"messages": plain}, timeout=30).json()
+        follow = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=1)
+        assert follow.usage.prompt_tokens == tokens["count"], turn
+
+
+def test_a_tool_loop_with_echoed_messages(client: openai.OpenAI, server: Server) -> None:
+    """A forced call, its message echoed back with `model_dump()`, the tool's result, then the answer."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+    messages: list[dict] = [{"role": "user", "content": "weather in Paris?"}]
+    call = client.chat.completions.create(model="tiny-llama", messages=messages, tools=tools, tool_choice="required",
+                                          max_tokens=60, temperature=0)
+    message = call.choices[0].message
+    assert message.tool_calls and message.tool_calls[0].function.name == "get_weather"
+    messages += [message.model_dump(), {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"}]
+    answer = client.chat.completions.create(model="tiny-llama", messages=messages, tools=tools, max_tokens=4)
+    assert answer.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    # the deprecated single `function_call` of an echoed message is read as its tool call
+    legacy = ChatMessage(role="assistant", function_call=FunctionCall(name="get_weather", arguments='{"city": "x"}'))
+    assert legacy.to_dict()["tool_calls"] == [
+        {"id": None, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "x"}}}]
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+    ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"temperature": 7}, "temperature"),
+    ({"messages": [{"role": "assistant", "content": "x", "unknown_field": 1}]}, "messages"),
+])
+def test_openai_validation_cases_are_400s_naming_the_field(server: Server, body: dict, field: str) -> None:
+    sent = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body}
+    response = httpx.post(server.url + "/v1/chat/completions", json=sent, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field or field in error["message"], error
+    if field == "logit_bias":
+        assert "'abc'" in error["message"]

@@ -31,6 +31,12 @@ class TextPart(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fiel
     text: str
 
 
+class RefusalPart(msgspec.Struct, tag="refusal", tag_field="type", forbid_unknown_fields=True, frozen=True):
+    """An assistant content part a client echoes back: the model's refusal, not shown to it again."""
+
+    refusal: str
+
+
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -51,22 +57,33 @@ class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A message as OpenAI's clients send it, including every field of an assistant message they echo back
+    (`resp.choices[0].message.model_dump()`): `refusal`, `annotations` and `audio` are accepted and not shown to
+    the model again (no chat template has a place for them); a legacy `function_call` is its tool call."""
+
     role: Role
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant turn that called tools
+    function_call: FunctionCall | None = None  # the deprecated single call: read as `tool_calls`
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+        parts = () if isinstance(self.content, str) else self.content or ()
+        content = self.content if isinstance(self.content, str) else "".join(
+            p.text for p in parts if isinstance(p, TextPart))
         # OpenAI's `developer` role is the system prompt of newer models; chat templates know `system`
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
-            message["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        calls = self.tool_calls or ([MessageToolCall(self.function_call)] if self.function_call else None)
+        if calls:
+            message["tool_calls"] = [c.to_dict() for c in calls]
         return message
 
 
@@ -139,6 +156,8 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None  # accepted for compatibility; not used
+    store: bool | None = None  # OpenAI's stored completions: accepted, nothing is stored
+    metadata: dict[str, str] | None = None  # accepted with `store`; not used
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -152,7 +171,7 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     # OpenAI fields not implemented yet: refused by name when present (never silently dropped).
     response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    logit_bias: dict[int, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, as text) -> bias in [-100, 100]
     functions: Any = None
     function_call: Any = None
     best_of: Any = None
@@ -207,7 +226,8 @@ _UNSUPPORTED = ("functions", "function_call", "best_of", "suffix")
 # Body fields that become the Engine keyword of the same name when present.
 PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                "repetition_penalty", "ignore_eos", "priority", "cache_salt", "min_tokens", "stop_token_ids",
-               "include_stop_str_in_output", "skip_special_tokens", "logit_bias")
+               "include_stop_str_in_output", "skip_special_tokens")
+MAX_TEMPERATURE = 2.0  # OpenAI's bound (the Python API takes any temperature >= 0, as vLLM does)
 
 
 def decode_body(raw: bytes | dict[str, Any], chat: bool) -> ChatCompletionRequest | CompletionRequest:
@@ -274,6 +294,13 @@ def to_engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> tuple[A
 def engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     """The Engine keyword arguments of a decoded body, shared by each of its prompts and choices."""
     kwargs: dict[str, Any] = {k: getattr(body, k) for k in PASSTHROUGH if getattr(body, k) is not None}
+    if body.temperature is not None and not body.temperature <= MAX_TEMPERATURE:
+        raise InvalidRequest(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {body.temperature}",
+                             field="temperature")
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequest("`stream_options` is only for streaming requests (stream: true)", field="stream_options")
+    if body.logit_bias is not None:
+        kwargs["logit_bias"] = _logit_bias(body.logit_bias)
     if isinstance(body, ChatCompletionRequest):
         if not body.messages:
             raise InvalidRequest("`messages` must be a non-empty list of message objects", field="messages")
@@ -298,6 +325,18 @@ def engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[str, 
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     return kwargs
+
+
+def _logit_bias(given: dict[str, float]) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token ids as JSON keys) with integer keys; `InvalidRequest` naming a key that is
+    not one."""
+    found: dict[int, float] = {}
+    for key, bias in given.items():
+        try:
+            found[int(key)] = bias
+        except ValueError:
+            raise InvalidRequest(f"logit_bias key {key!r} is not a token id (an integer)", field="logit_bias") from None
+    return found
 
 
 def _constraint(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
