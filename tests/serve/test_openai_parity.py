@@ -313,3 +313,45 @@ def test_openai_validation_cases_are_400s_naming_the_field(server: Server, body:
     assert error["param"] == field or field in error["message"], error
     if field == "logit_bias":
         assert "'abc'" in error["message"]
+
+
+def test_prompt_logprobs_over_http_equal_the_python_api_and_transformers(server: Server, tiny_model) -> None:
+    """vLLM's `prompt_logprobs` on a 100-token prompt: completions per choice, chat at the top; each prompt token's
+    logprob is transformers' fp32 log-softmax, and the alternatives are the Python API's."""
+    prompt = list(range(5, 105))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        oracle = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}
+    got = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == 100
+    for i, entry in enumerate(got[1:], start=1):
+        mine = entry[str(prompt[i])]["logprob"]
+        assert mine == pytest.approx(oracle[i - 1, prompt[i]].item(), abs=1e-4)
+        assert 2 <= len(entry) <= 3  # the token itself and the two best
+        best = oracle[i - 1].topk(2).indices.tolist()
+        assert set(map(str, best)) <= set(entry)
+
+    async def python_api() -> list:
+        from tokenflow import Engine
+
+        async with Engine(tiny_model, dtype="float32") as engine:
+            return (await engine.generate(prompt, max_tokens=1, prompt_logprobs=2)).prompt_logprobs
+
+    ours = anyio.run(python_api)
+    for entry, from_python in zip(got[1:], ours[1:]):
+        assert {int(k): v["logprob"] for k, v in entry.items()} == pytest.approx(from_python, abs=1e-5)
+    chat = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 1,
+        "prompt_logprobs": 0}, timeout=60).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    refused = httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_completion_logprobs_zero_gives_the_sampled_token(client: openai.OpenAI) -> None:
+    done = client.completions.create(model="tiny-llama", prompt="the river", max_tokens=5, temperature=0, logprobs=0,
+                                     extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert [list(top) for top in lp.top_logprobs] == [[token] for token in lp.tokens]
+    assert [next(iter(top.values())) for top in lp.top_logprobs] == lp.token_logprobs

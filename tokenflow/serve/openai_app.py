@@ -414,7 +414,7 @@ async def _serve(request: Request, settings: HTTPSettings, *, chat: bool) -> Res
     return JSONResponse(completion_body(
         done, chat=chat, model=served, rid=rid, logprobs=kwargs.get("logprobs") is not None,
         tokenizer=engine.loaded.tokenizer, report_cached_tokens=settings.report_cached_tokens,
-        echo=_echo_texts(body, [prompt], engine.loaded.tokenizer),
+        echo=_echo_texts(body, [prompt], engine.loaded.tokenizer), prompt_logprobs=body.prompt_logprobs is not None,
     ))
 
 
@@ -508,7 +508,8 @@ async def _serve_many(request: Request, settings: HTTPSettings, body: Any, promp
         [c for group in results if isinstance(group, list) for c in group], chat=chat, model=served, n=n,
         logprobs=kwargs.get("logprobs") is not None, tokenizer=engine.loaded.tokenizer,
         report_cached_tokens=settings.report_cached_tokens,
-        echo=_echo_texts(body, [p for p in prompts for _ in range(n)], engine.loaded.tokenizer)))
+        echo=_echo_texts(body, [p for p in prompts for _ in range(n)], engine.loaded.tokenizer),
+        prompt_logprobs=body.prompt_logprobs is not None))
 
 
 async def _events(request: Request, items: AsyncIterator[tuple[int, Chunk]], first: tuple[int, Chunk] | None,
@@ -622,11 +623,12 @@ def response_id(chat: bool) -> str:
 def completion_body(
     done: Completion | Sequence[Completion], *, chat: bool, model: str, rid: str | None = None,
     logprobs: bool = False, tokenizer: Any = None, report_cached_tokens: bool = False, n: int = 1,
-    echo: Sequence[str] | None = None,
+    echo: Sequence[str] | None = None, prompt_logprobs: bool = False,
 ) -> dict[str, Any]:
     """The OpenAI response body of finished requests, one choice each in order (`n` choices per prompt:
     usage counts each prompt once); logprobs need the tokenizer to spell tokens. `echo`: each choice's
-    prompt text, put before its completion (with its prompt logprobs when the request has them)."""
+    prompt text, put before its completion (with its prompt logprobs when the request has them).
+    `prompt_logprobs` (vLLM's): each choice's (completions) or the response's (chat) `prompt_logprobs`."""
     dones = [done] if isinstance(done, Completion) else list(done)
     choices = []
     for index, one in enumerate(dones):
@@ -646,13 +648,28 @@ def completion_body(
             choice["message"] = {"role": "assistant", "content": one.text}
         else:
             choice["text"] = prefix + one.text
+        if prompt_logprobs and not chat:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(one, tokenizer)
         choices.append(choice)
     usage = Usage(prompt_tokens=sum(d.usage.prompt_tokens for d in dones[::n]),
                   completion_tokens=sum(d.usage.completion_tokens for d in dones),
                   cached_tokens=sum(d.usage.cached_tokens for d in dones))
-    return {"id": rid or response_id(chat), "object": "chat.completion" if chat else "text_completion",
+    body = {"id": rid or response_id(chat), "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": _usage(usage, report_cached_tokens)}
+    if prompt_logprobs and chat:  # vLLM puts a chat's at the top: every choice shares the prompt
+        body["prompt_logprobs"] = vllm_prompt_logprobs(dones[0], tokenizer)
+    return body
+
+
+def vllm_prompt_logprobs(done: Completion, tokenizer: Any) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, then `{token id: {"logprob",
+    "decoded_token"}}` for the token itself and the top alternatives asked for."""
+    if done.prompt_logprobs is None:
+        return None
+    return [None if entry is None else {str(t): {"logprob": _finite(v), "decoded_token": tokenizer.decode([t])}
+                                        for t, v in entry.items()}
+            for entry in done.prompt_logprobs]
 
 
 def logprobs_body(logprobs: Sequence[TokenLogprob], *, chat: bool, tokenizer: Any, text_offset: int = 0
@@ -676,7 +693,10 @@ def logprobs_body(logprobs: Sequence[TokenLogprob], *, chat: bool, tokenizer: An
     return {
         "tokens": [text(lp.token_id) for lp in logprobs],
         "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-        "top_logprobs": [{text(t): _finite(v) for t, v in lp.top.items()} for lp in logprobs],
+        # the sampled token and the alternatives asked for (OpenAI's legacy API and vLLM: with logprobs=0, the
+        # sampled token alone)
+        "top_logprobs": [{text(lp.token_id): _finite(lp.logprob), **{text(t): _finite(v) for t, v in lp.top.items()}}
+                         for lp in logprobs],
         "text_offset": offsets,
     }
 

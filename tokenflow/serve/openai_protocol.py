@@ -166,6 +166,7 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
     priority: int | None = None  # only when the server trusts clients with it (see HTTPSettings)
     cache_salt: str | None = None  # likewise
     # OpenAI fields not implemented yet: refused by name when present (never silently dropped).
@@ -319,6 +320,10 @@ def engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[str, 
             kwargs["logprobs"] = body.logprobs
             if body.echo:
                 kwargs["prompt_logprobs"] = body.logprobs
+    if body.prompt_logprobs is not None and body.stream:
+        raise InvalidRequest("`prompt_logprobs` comes with a whole response (stream: false)", field="prompt_logprobs")
+    if body.prompt_logprobs is not None:  # vLLM's field; over echo's own (the same scores, more alternatives)
+        kwargs["prompt_logprobs"] = max(body.prompt_logprobs, kwargs.get("prompt_logprobs") or 0)
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
     kwargs.update(_constraint(body))
