@@ -60,7 +60,7 @@ from tokenflow.runtime.worker import ModelWorker
 from tokenflow.stages.breaker import BreakerStage
 from tokenflow.stages.prefetcher import prefetch
 from tokenflow.stages.response_cache import ResponseCacheStage
-from tokenflow.stages.tokenizer import TokenizerStage
+from tokenflow.stages.tokenizer import ChatTemplate, TokenizerStage
 from tokenflow.step_loop import StepLoop
 from tokenflow.structured.grammar import GrammarCompiler, constraint_field
 from tokenflow.structured.tools import check_tools, parse_tool_calls, tool_schema
@@ -332,9 +332,11 @@ class Engine:
                                                tool_choice=tool_choice))
 
     async def tokenize(self, prompt: str | Sequence[dict[str, Any]], *, add_special_tokens: bool = True,
-                       tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+                       tools: Sequence[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                       continue_final_message: bool = False) -> list[int]:
         """The token ids a request would get for `prompt`: a text, or chat messages through the model's
-        chat template (with the generation prompt), exactly as `generate` / `chat` tokenize them."""
+        chat template (with the generation prompt, or the last message continued), exactly as `generate` /
+        `chat` tokenize them."""
         self._check_open()
         assert self.limits is not None
         messages = None if isinstance(prompt, str) else prompt
@@ -346,7 +348,8 @@ class Engine:
         assert stage is not None
         if messages is not None:
             checked = check_tools(tools, None)[0] if tools is not None else None
-            return await stage.encode_chat(messages, checked)
+            template = ChatTemplate(bool(add_generation_prompt), bool(continue_final_message))
+            return await stage.encode_chat(messages, checked, template)
         return await stage.encode(prompt, add_special_tokens=add_special_tokens)  # type: ignore[arg-type]
 
     async def load_lora(self, name: str, folder: str | os.PathLike[str]) -> None:

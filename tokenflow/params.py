@@ -61,6 +61,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     deadline: float | None = None
     cache_salt: str | None = None
     lora: str | None = None  # a LoRA adapter the engine serves (`lora_adapters`, `load_lora`); None: the base model
+    # chat requests, the template's options (vLLM's): end with the assistant's turn opened (add_generation_prompt),
+    # or continue the last message, an assistant's partial answer, without closing it (continue_final_message)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     cache_response: bool | None = None  # None: the engine's `response_cache` setting decides
     logit_bias: dict[TokenId, Bias] | None = None  # token id -> added to its logit before sampling
     # -- structured outputs: at most one; the output is constrained to match it --

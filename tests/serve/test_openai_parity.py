@@ -355,3 +355,32 @@ def test_completion_logprobs_zero_gives_the_sampled_token(client: openai.OpenAI)
     lp = done.choices[0].logprobs
     assert [list(top) for top in lp.top_logprobs] == [[token] for token in lp.tokens]
     assert [next(iter(top.values())) for top in lp.top_logprobs] == lp.token_logprobs
+
+
+def test_continue_final_message_continues_the_assistant_text(server: Server, client: openai.OpenAI) -> None:
+    """vLLM's `continue_final_message`: the prompt is the template's up to the partial assistant text, left
+    open, and the reply's tokens follow it; `echo` repeats that text first (whole and streamed); the
+    template options are on /tokenize too, and contradictory ones are 400s."""
+    messages = [{"role": "user", "content": "name a colour"}, {"role": "assistant", "content": "My answer is"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": messages, **options}, timeout=30).json()
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}, timeout=30).json()["prompt"]
+    assert text.endswith("My answer is")  # not closed: no end-of-turn after the partial answer
+    opened = httpx.post(server.url + "/tokenize", json={"messages": messages[:1]}, timeout=30).json()["tokens"]
+    assert tokens["tokens"][:len(opened)] == opened  # the same turns before it
+    done = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6, temperature=0,
+                                          extra_body={**options, "ignore_eos": True, "echo": True})
+    assert done.usage.prompt_tokens == tokens["count"]
+    whole = httpx.post(server.url + "/v1/completions", json={"model": "tiny-llama", "prompt": tokens["tokens"],
+                                                             "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+                       timeout=30).json()["choices"][0]["text"]
+    assert done.choices[0].message.content == "My answer is" + whole
+    streamed = "".join(e.choices[0].delta.content or "" for e in client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=6, temperature=0, stream=True,
+        extra_body={**options, "ignore_eos": True, "echo": True}) if e.choices)
+    assert streamed == done.choices[0].message.content
+    for bad, field in [({"continue_final_message": True}, "continue_final_message"),
+                       ({**options, "messages": messages[:1]}, "messages")]:
+        response = httpx.post(server.url + "/v1/chat/completions", json={
+            "model": "tiny-llama", "messages": messages, "max_tokens": 2, **bad}, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text

@@ -60,6 +60,7 @@ from tokenflow.serve.dashboard import DashboardFeed, dashboard_html
 from tokenflow.serve.metrics import EngineMetrics
 from tokenflow.serve.openai_protocol import (
     PASSTHROUGH,
+    ChatCompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
     TokenizeRequest,
@@ -330,7 +331,9 @@ async def tokenize(request: Request, settings: HTTPSettings) -> Response:
         raise InvalidRequest("give exactly one of `prompt` and `messages`", field="prompt")
     if body.messages is not None:
         tools = [t.to_dict() for t in body.tools] if body.tools else None
-        tokens = await engine.tokenize([m.to_dict() for m in body.messages], tools=tools)
+        tokens = await engine.tokenize([m.to_dict() for m in body.messages], tools=tools,
+                                       add_generation_prompt=body.add_generation_prompt,
+                                       continue_final_message=body.continue_final_message)
     else:
         tokens = await engine.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.loaded.max_model_len})
@@ -537,8 +540,10 @@ async def _events(request: Request, items: AsyncIterator[tuple[int, Chunk]], fir
             index, chunk = item
             if index not in text_offset:  # the choice's first chunk
                 text_offset[index] = 0
-                if chat:
-                    yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+                if chat:  # with `echo`, the continued assistant message's text first (vLLM's)
+                    opening = echo[index] if echo is not None else ""
+                    yield event({"index": index, "delta": {"role": "assistant", "content": opening},
+                                 "finish_reason": None})
                 elif echo is not None:  # the prompt first, scored when logprobs were asked for
                     echoed: dict[str, Any] = {"index": index, "text": echo[index], "finish_reason": None,
                                               "logprobs": None}
@@ -605,6 +610,9 @@ def _echo_texts(body: Any, prompts: Sequence[Any], tokenizer: Any) -> list[str] 
     """With `echo`, each prompt's text (a token-id prompt decoded); else None."""
     if not getattr(body, "echo", False):
         return None
+    if isinstance(body, ChatCompletionRequest):  # vLLM's: the last message's text when it is the assistant's
+        last = body.messages[-1].to_dict()
+        return [last["content"] if last["role"] == "assistant" else "" for _ in prompts]
     return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
 
 
@@ -636,7 +644,7 @@ def completion_body(
         prefix = echo[index] if echo is not None else ""
         if logprobs and one.logprobs is not None:
             choice["logprobs"] = logprobs_body(one.logprobs, chat=chat, tokenizer=tokenizer, text_offset=len(prefix))
-            if echo is not None and one.prompt_logprobs is not None:
+            if echo is not None and not chat and one.prompt_logprobs is not None:
                 scored = prompt_logprobs_body(one.prompt_token_ids or [], one.prompt_logprobs, tokenizer)
                 choice["logprobs"] = {key: scored[key] + choice["logprobs"][key] for key in scored}
         if chat and one.tool_calls:
@@ -645,7 +653,7 @@ def completion_body(
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in one.tool_calls]}
         elif chat:
-            choice["message"] = {"role": "assistant", "content": one.text}
+            choice["message"] = {"role": "assistant", "content": prefix + one.text}
         else:
             choice["text"] = prefix + one.text
         if prompt_logprobs and not chat:

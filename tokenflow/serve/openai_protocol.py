@@ -180,6 +180,11 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
 
 class ChatCompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True, frozen=True):
     messages: list[ChatMessage]
+    # vLLM's template options: continue the last (assistant) message instead of opening a new turn; with `echo`,
+    # the reply repeats that message's text before its own
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted: "auto" returns every call the model writes
@@ -203,6 +208,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     messages: list[ChatMessage] | None = None
     tools: list[ToolSpec] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -305,6 +312,8 @@ def engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[str, 
     if isinstance(body, ChatCompletionRequest):
         if not body.messages:
             raise InvalidRequest("`messages` must be a non-empty list of message objects", field="messages")
+        kwargs["add_generation_prompt"] = body.add_generation_prompt
+        kwargs["continue_final_message"] = body.continue_final_message
         if body.tools is not None:
             kwargs["tools"] = [t.to_dict() for t in body.tools]
         if body.tool_choice is not None:

@@ -21,6 +21,7 @@ import re
 import secrets
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -36,16 +37,26 @@ from tokenflow.request import Request
 __all__ = ("TokenizerStage", "create")
 
 
+@dataclass(frozen=True, slots=True)
+class ChatTemplate:
+    """How a chat's messages are rendered (vLLM's options): the assistant's turn opened after them, or the last
+    message (an assistant's partial answer) continued, left open."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
 class _Job:
     """One prompt waiting in a coalesced batch."""
 
-    __slots__ = ("abandoned", "add_special", "done", "error", "messages", "result", "text", "tools")
+    __slots__ = ("abandoned", "add_special", "done", "error", "messages", "result", "template", "text", "tools")
 
     def __init__(self, text: str | None, messages: Sequence[dict[str, Any]] | None, add_special: bool,
-                 tools: list[dict[str, Any]] | None = None) -> None:
+                 tools: list[dict[str, Any]] | None = None, template: ChatTemplate | None = None) -> None:
         self.text = text
         self.messages = messages
         self.tools = tools
+        self.template = template or ChatTemplate()
         self.add_special = add_special
         self.result: list[int] | None = None
         self.error: BaseException | None = None
@@ -106,8 +117,10 @@ class TokenizerStage:
         for every request, so an engine configured without this stage still tokenizes and validates."""
         if request.prompt_token_ids is None:
             if request.messages is not None:
+                params = request.params
+                template = ChatTemplate(params.add_generation_prompt, params.continue_final_message)
                 request.prompt_token_ids = await self._encode(None, request.messages, add_special=False,
-                                                              tools=request.tools)
+                                                              tools=request.tools, template=template)
             else:
                 text = request.prompt or ""
                 _check_text(text)
@@ -134,14 +147,14 @@ class TokenizerStage:
         _check_text(text)
         return await self._encode(text, None, add_special=add_special_tokens)
 
-    async def encode_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-                          ) -> list[int]:
+    async def encode_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                          template: ChatTemplate | None = None) -> list[int]:
         """The prompt ids of `messages` (and `tools`) through the chat template, as a chat request gets them."""
-        return await self._encode(None, messages, add_special=False, tools=tools)
+        return await self._encode(None, messages, add_special=False, tools=tools, template=template)
 
     async def _encode(
         self, text: str | None, messages: Sequence[dict[str, Any]] | None, *, add_special: bool,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, template: ChatTemplate | None = None,
     ) -> list[int]:
         if text is not None and self._cache_enabled:
             hit = self._cache.get((text, add_special))
@@ -150,7 +163,7 @@ class TokenizerStage:
                 return hit.ids.tolist()
         if self._batcher is None:
             raise EngineClosed("the tokenizer is not started (or was stopped)")
-        job = _Job(text, messages, add_special, tools)
+        job = _Job(text, messages, add_special, tools, template)
         self._pending.append(job)
         self._wake.set()
         try:
@@ -228,10 +241,10 @@ class TokenizerStage:
                 continue
             try:
                 if self._spells_special(job.messages):  # rare: encoded on its own, texts kept as plain text
-                    results[i] = self._encode_chat_literally(job.messages, job.tools)
+                    results[i] = self._encode_chat_literally(job.messages, job.tools, job.template)
                     texts.append("")
                 else:
-                    texts.append(self.render_chat(job.messages, job.tools))
+                    texts.append(self.render_chat(job.messages, job.tools, job.template))
             except InvalidRequest as exc:
                 texts.append(exc)
             except Exception as exc:
@@ -265,8 +278,8 @@ class TokenizerStage:
             return False
         return any(s in text for m in messages for text in _message_texts(m) for s in self._special_texts)
 
-    def _encode_chat_literally(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-                               ) -> list[int]:
+    def _encode_chat_literally(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                               template: ChatTemplate | None = None) -> list[int]:
         """Encode a chat whose message texts spell special tokens: those texts with special tokens split
         into plain text, the template's own text with its control tokens.
 
@@ -282,7 +295,7 @@ class TokenizerStage:
                 literal[name] = content
                 message = {**message, "content": name}
             substituted.append(message)
-        rendered = self.render_chat(substituted, tools)
+        rendered = self.render_chat(substituted, tools, template)
         ids: list[int] = []
         for n, piece in enumerate(re.split(f"({marker}\\d+X)", rendered)):
             if n % 2:  # a placeholder
@@ -296,9 +309,18 @@ class TokenizerStage:
             raise InvalidRequest("the chat template changed a message's text", field="messages")
         return ids
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template: ChatTemplate | None = None) -> str:
+        template = template or ChatTemplate()
         if not isinstance(messages, Sequence) or not messages:
             raise InvalidRequest("`messages` must be a non-empty list of {role, content} dicts", field="messages")
+        if template.continue_final_message:
+            if template.add_generation_prompt:
+                raise InvalidRequest("continue_final_message continues the last message: set add_generation_prompt "
+                                     "to false", field="continue_final_message")
+            last = messages[-1]
+            if not isinstance(last, dict) or last.get("role") != "assistant":
+                raise InvalidRequest("continue_final_message needs an assistant message last", field="messages")
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
                 m.get("content"), str
@@ -317,8 +339,9 @@ class TokenizerStage:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequest("this model has no chat template; use generate() with a prompt", field="messages")
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                                      **({"tools": tools} if tools else {}))
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=template.add_generation_prompt,
+                continue_final_message=template.continue_final_message, **({"tools": tools} if tools else {}))
         except Exception as exc:
             raise InvalidRequest(f"chat messages could not be rendered: {exc}", field="messages") from None
         _check_text(text, field="messages")
