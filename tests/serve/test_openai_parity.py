@@ -4,6 +4,7 @@ request gets), the `developer` role."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import anyio
@@ -384,3 +385,36 @@ def test_continue_final_message_continues_the_assistant_text(server: Server, cli
         response = httpx.post(server.url + "/v1/chat/completions", json={
             "model": "tiny-llama", "messages": messages, "max_tokens": 2, **bad}, timeout=30)
         assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+
+
+def test_strict_schemas_close_every_object(client: openai.OpenAI) -> None:
+    """OpenAI's `strict: true` on a pydantic model's schema (which says nothing of extra keys) and on a function:
+    16 samples at temperature 1 each validate with every object closed and every key present."""
+    import jsonschema
+    from pydantic import BaseModel, Field
+
+    class Place(BaseModel):
+        city: str = Field(max_length=6)
+        code: int = Field(ge=0, le=99)
+        tags: list[bool] = Field(max_length=2)
+
+    schema = Place.model_json_schema()
+    assert "additionalProperties" not in schema
+    closed = {**schema, "additionalProperties": False, "required": ["city", "code", "tags"]}
+    done = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "a place"}], n=16, temperature=1.0, max_tokens=80,
+        seed=3, response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema,
+                                                                         "strict": True}})
+    for choice in done.choices:
+        jsonschema.validate(json.loads(choice.message.content), closed)
+    tools = [{"type": "function", "function": {"name": "find", "strict": True, "parameters": schema}}]
+    calls = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "find"}], n=16,
+                                           temperature=1.0, max_tokens=80, seed=4, tools=tools, tool_choice="required")
+    for choice in calls.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), closed)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "open", "strict": True,
+                                           "schema": {"type": "object", "additionalProperties": True}}})

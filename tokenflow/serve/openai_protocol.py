@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from tokenflow.errors import InvalidRequest
+from tokenflow.structured.strict import strict_schema
 
 __all__ = ("ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest", "decode_as",
            "decode_body", "engine_kwargs", "prompts_of", "to_engine_kwargs")
@@ -91,7 +92,7 @@ class ToolFunction(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # a named or required call always follows its parameters here
+    strict: bool | None = None  # OpenAI's strict rules on its parameters (every object closed, every key required)
 
 
 class ToolSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -99,7 +100,11 @@ class ToolSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     type: Literal["function"] = "function"
 
     def to_dict(self) -> dict[str, Any]:
+        """The tool as chat templates and the engine take it; with `strict`, its parameters under OpenAI's strict
+        rules (`tokenflow.structured.strict`)."""
         function = {k: v for k, v in msgspec.structs.asdict(self.function).items() if v is not None and k != "strict"}
+        if self.function.strict and self.function.parameters is not None:
+            function["parameters"] = strict_schema(self.function.parameters, field="tools")
         return {"type": "function", "function": function}
 
 
@@ -124,7 +129,7 @@ class JsonSchemaSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: str
     schema: dict[str, Any] = {}  # OpenAI: absent means any JSON
     description: str | None = None
-    strict: bool | None = None  # the output always follows the schema here
+    strict: bool | None = None  # OpenAI's strict rules (every object closed, every key required)
 
 
 class JsonSchemaFormat(msgspec.Struct, tag="json_schema", tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -360,7 +365,8 @@ def _constraint(body: ChatCompletionRequest | CompletionRequest) -> dict[str, An
     if isinstance(fmt, JsonObjectFormat):
         found["json_object"] = True
     elif isinstance(fmt, JsonSchemaFormat):
-        found["json_schema"] = fmt.json_schema.schema or {"type": "object"}
+        schema = fmt.json_schema.schema or {"type": "object"}
+        found["json_schema"] = strict_schema(schema) if fmt.json_schema.strict else schema
     extra = body.structured_outputs
     if extra is not None:
         named = {"json_schema": extra.json, "regex": extra.regex, "choice": extra.choice, "grammar": extra.grammar,
