@@ -70,6 +70,7 @@ from tokenflow.serve.openai_protocol import (
     prompts_of,
     to_engine_kwargs,
 )
+from tokenflow.serve.responses_api import StoredResponses, responses
 from tokenflow.structured.tools import ToolCallStream, content_besides_calls
 
 __all__ = ("PASSTHROUGH", "HTTPSettings", "RequestPolicy", "completion_body", "create_app", "engine_lifespan",
@@ -129,6 +130,7 @@ def engine_lifespan(
         app.state.metrics = EngineMetrics(current)
         app.state.http_settings = http if http is not None else HTTPSettings.from_env()
         current.add_observer(app.state.metrics)
+        app.state.responses = StoredResponses()  # `previous_response_id`: the newest responses, in memory
         app.state.dashboard = DashboardFeed()
         current.add_observer(app.state.dashboard)
         try:
@@ -148,6 +150,7 @@ def openai_routes() -> list[Route]:
         Route("/v1/chat/completions", _guarded(partial(_serve, chat=True)), methods=["POST"]),
         Route("/v1/models", _guarded(models), methods=["GET"]),
         Route("/v1/embeddings", _guarded(embeddings), methods=["POST"]),
+        Route("/v1/responses", _guarded(responses), methods=["POST"]),
         Route("/tokenize", _guarded(tokenize), methods=["POST"]),
         Route("/detokenize", _guarded(detokenize), methods=["POST"]),
         Route("/health", _guarded(health, auth=False), methods=["GET"]),
