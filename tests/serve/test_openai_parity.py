@@ -418,3 +418,24 @@ def test_strict_schemas_close_every_object(client: openai.OpenAI) -> None:
                                        response_format={"type": "json_schema", "json_schema": {
                                            "name": "open", "strict": True,
                                            "schema": {"type": "object", "additionalProperties": True}}})
+
+
+def test_a_required_call_cut_short_reports_its_partial_arguments(client: openai.OpenAI) -> None:
+    """max_tokens ends a forced call mid-arguments: finish_reason "length", the call's name and the arguments as
+    far as they got (never dropped); cut before its name is whole, the text as far as it got."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "minLength": 40}}, "required": ["query"]}}}]
+    early = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "look it up"}],
+                                           tools=tools, tool_choice="required", max_tokens=6, temperature=0)
+    assert early.choices[0].finish_reason == "length"  # cut inside the name: the text as far as it got
+    assert early.choices[0].message.content.startswith('{"') and not early.choices[0].message.tool_calls
+    done = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "look it up"}],
+                                          tools=tools, tool_choice="required", max_tokens=40, temperature=0)
+    choice = done.choices[0]
+    assert choice.finish_reason == "length"
+    call = choice.message.tool_calls[0].function
+    assert call.name == "lookup" and call.arguments.startswith("{") and not call.arguments.endswith("}")
+    whole = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "look it up"}],
+                                           tools=tools, tool_choice="required", max_tokens=200, temperature=0)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert whole.choices[0].message.tool_calls[0].function.arguments.startswith(call.arguments.rstrip())

@@ -563,7 +563,7 @@ async def _events(request: Request, items: AsyncIterator[tuple[int, Chunk]], fir
             stream_calls = calls[index] if calls is not None else None
             if stream_calls is not None:  # tools: content and tool-call deltas; the finish reason comes with the last
                 deltas = stream_calls.feed(chunk.text) + (stream_calls.finish() if finish is not None else [])
-                if finish is not None and stream_calls.num_calls:
+                if finish not in (None, "length") and stream_calls.num_calls:  # a call cut short keeps "length"
                     finish = "tool_calls"
             elif chat:
                 deltas = [{"content": chunk.text}] if chunk.text else []
@@ -651,7 +651,8 @@ def completion_body(
                 scored = prompt_logprobs_body(one.prompt_token_ids or [], one.prompt_logprobs, tokenizer)
                 choice["logprobs"] = {key: scored[key] + choice["logprobs"][key] for key in scored}
         if chat and one.tool_calls:
-            choice["finish_reason"] = "tool_calls"
+            if one.finish_reason != "length":  # a call cut short by max_tokens keeps "length", its arguments partial
+                choice["finish_reason"] = "tool_calls"
             choice["message"] = {"role": "assistant", "content": content_besides_calls(one.text), "tool_calls": [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in one.tool_calls]}

@@ -87,8 +87,11 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]], choice: str | dict[
         try:
             call = json.loads(text)
             return None, [_call(call["name"], call["arguments"])]
-        except (ValueError, KeyError, TypeError):  # cut short by max_tokens: no complete call
-            return text, []
+        except (ValueError, KeyError, TypeError):  # cut short by max_tokens: the call as far as it got
+            partial = _PARTIAL_CALL.match(text)
+            if partial is None:
+                return text, []
+            return None, [_call(partial.group(1), partial.group(2))]
     if choice == "none":
         return text, []
     names = {t["function"]["name"] for t in tools}
@@ -104,6 +107,11 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]], choice: str | dict[
         return text, []
     rest = _CALL.sub("", text).strip()
     return rest or None, calls
+
+
+# the start of a "required" call cut short: its name, then its arguments' text as far as they got (the grammar
+# writes the name before the arguments, so a call with arguments started has its name whole)
+_PARTIAL_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(.*)\Z', re.S)
 
 
 def content_besides_calls(text: str) -> str | None:
