@@ -10,13 +10,13 @@ Value ranges (temperature, penalties, ...) are checked by the engine itself.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from tokenflow.errors import InvalidRequest
 from tokenflow.structured.strict import strict_schema
+from tokenflow.structured.tools import template_arguments
 
 __all__ = ("ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest", "decode_as",
            "decode_body", "engine_kwargs", "prompts_of", "to_engine_kwargs")
@@ -50,10 +50,7 @@ class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def to_dict(self) -> dict[str, Any]:
         """Chat templates iterate the arguments as a mapping: parsed when they are a JSON object."""
-        try:
-            arguments: Any = json.loads(self.function.arguments)
-        except ValueError:
-            arguments = self.function.arguments
+        arguments = template_arguments(self.function.arguments)
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
 
 

@@ -10,7 +10,6 @@ A response is a chat turn underneath: instructions, the earlier turns and the in
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from collections import OrderedDict
@@ -23,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from tokenflow.errors import InvalidRequest
 from tokenflow.params import Completion
 from tokenflow.structured.strict import strict_schema
-from tokenflow.structured.tools import content_besides_calls
+from tokenflow.structured.tools import content_besides_calls, template_arguments
 
 __all__ = ("RESPONSES_KEPT", "ResponsesRequest", "StoredResponses", "responses")
 
@@ -167,8 +166,7 @@ def _messages(body: ResponsesRequest, earlier: list[dict[str, Any]]) -> list[dic
             text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
             messages.append({"role": "system" if item.role == "developer" else item.role, "content": text})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name,
-                                                                         "arguments": _arguments(item.arguments)}}
+            call = _template_call(item.call_id, item.name, item.arguments)
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
                 messages[-1]["tool_calls"].append(call)
             else:
@@ -180,12 +178,9 @@ def _messages(body: ResponsesRequest, earlier: list[dict[str, Any]]) -> list[dic
     return messages
 
 
-def _arguments(text: str) -> Any:
-    """A call's arguments as chat templates iterate them: parsed when they are a JSON object."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+def _template_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A function call as an assistant message's `tool_calls` entry (what chat templates read)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": template_arguments(arguments)}}
 
 
 def _kwargs(body: ResponsesRequest) -> dict[str, Any]:
@@ -227,8 +222,7 @@ def _output(done: Completion) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         content = content_besides_calls(done.text)
         if content:
             items.append(_message_item(content))
-        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
-                 for c in done.tool_calls]
+        calls = [_template_call(c.id, c.name, c.arguments) for c in done.tool_calls]
         items += [{"type": "function_call", "id": "fc_" + c.id.removeprefix("call_"), "call_id": c.id,
                    "name": c.name, "arguments": c.arguments, "status": "completed"} for c in done.tool_calls]
         return items, {"role": "assistant", "content": content or "", "tool_calls": calls}

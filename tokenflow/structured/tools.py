@@ -73,6 +73,14 @@ def tool_schema(tools: list[dict[str, Any]], choice: str | dict[str, Any]) -> di
                        "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
 
 
+def template_arguments(text: str) -> Any:
+    """A call's arguments as chat templates iterate them: parsed when they are a JSON object, else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def _call(name: str, arguments: Any) -> ToolCall:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return ToolCall(id=f"call_{secrets.token_hex(12)}", name=name, arguments=text)
