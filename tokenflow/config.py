@@ -185,6 +185,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
             raise ValueError("`speculative_tokens` needs attention='dense'")
         if self.kv_compression and self.attention != "dense":
             raise ValueError("`kv_compression` needs attention='dense'")
+        if self.lora_enabled and self.backend != "paged":
+            raise ValueError(f"LoRA adapters run on the `paged` backend, not {self.backend!r}")
         if self.lora_enabled and (self.quantization or self.compile):
             raise ValueError("LoRA adapters run on the float weights: not with `quantization` or `compile`")
         if len(self.lora_adapters) > self.max_loras:

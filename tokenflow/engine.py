@@ -166,8 +166,6 @@ class Engine:
         )
         backend = registry.load_backend(config.backend, config)
         await model_thread.run(backend.load, ctx, loaded.model)
-        if config.lora_enabled and not hasattr(backend, "runner"):
-            raise ConfigError(f"LoRA adapters run on the `paged` backend, not {config.backend!r}", field="backend")
         for name, folder in config.lora_adapters.items():
             self._check_lora_name(name)
             self.adapters[name] = await model_thread.run(load_adapter, name, folder, loaded.model)
@@ -415,8 +413,7 @@ class Engine:
             if isinstance(item, str):
                 self.limits.check_prompt(item, None)
                 ids = await self._tokenizer.encode(item, add_special_tokens=True)
-            elif isinstance(item, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                    for t in item):
+            elif isinstance(item, Sequence) and _are_token_ids(item, vocab):
                 ids = list(item)
             else:
                 raise InvalidRequest(f"input[{i}] must be a text or a list of token ids in [0, {vocab})",
@@ -435,7 +432,7 @@ class Engine:
         """The text of `token_ids`, special tokens spelled out (the inverse of `tokenize`)."""
         self._check_open()
         vocab = self.loaded.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+        if not _are_token_ids(token_ids, vocab):
             raise InvalidRequest(f"tokens must be ids in [0, {vocab})", field="tokens")
         if len(token_ids) > self.loaded.max_model_len:
             raise InvalidRequest(f"at most {self.loaded.max_model_len} tokens (max_model_len)", field="tokens")
@@ -768,6 +765,11 @@ class Engine:
         except BaseException:
             loop.abort(request)
             raise
+
+
+def _are_token_ids(items: Any, vocab: int) -> bool:
+    """Whether every item is a token id of the vocabulary (ints, not bools, in [0, vocab))."""
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in items)
 
 
 def torch_threads() -> int:

@@ -141,12 +141,17 @@ class PrefixCache(BlockPool):
         self._ref_count[block_id] += 1
 
     # -- request level ------------------------------------------------------------
+    def _root(self, request: Request) -> bytes:
+        """The parent key of the request's first block: model, tenant salt, and its LoRA adapter's content (an
+        adapter's blocks are its own)."""
+        adapter = request.adapter.key if request.adapter is not None else None
+        return prefix_root(self.model_key, request.params.cache_salt, adapter)
+
     def keys(self, request: Request, num_tokens: int | None = None) -> list[BlockKey]:
         """Keys of the request's full blocks within its first `num_tokens` tokens (hashed once each)."""
         limit = request.num_tokens if num_tokens is None else min(num_tokens, request.num_tokens)
         if len(request.block_keys) < limit // self.block_size:  # only then build the token list
-            root = prefix_root(self.model_key, request.params.cache_salt, _adapter_key(request))
-            block_keys(request.all_token_ids[:limit], self.block_size, root, request.block_keys)
+            block_keys(request.all_token_ids[:limit], self.block_size, self._root(request), request.block_keys)
         return request.block_keys
 
     def prefix_keys(self, request: Request) -> list[BlockKey]:
@@ -182,8 +187,7 @@ class PrefixCache(BlockPool):
             hits = self.resident_prefix(keys)  # installing its load may have evicted or added blocks
         unreferenced = sum(1 for b in hits if self._ref_count[b] == 0)
         num_tokens = len(hits) * self.block_size
-        root = prefix_root(self.model_key, request.params.cache_salt, _adapter_key(request))
-        parent = keys[len(hits) - 1].hash if hits else root
+        parent = keys[len(hits) - 1].hash if hits else self._root(request)
         partial = self.partial_block(request, parent, num_tokens)
         if partial is None:
             return PrefixHit(hits, num_tokens, unreferenced)
@@ -370,9 +374,3 @@ def create(
     return PrefixCache(
         num_blocks, block_size, policy=policy, prefix_caching=config.prefix_caching, model_key=model_key, kv=kv
     )
-
-
-def _adapter_key(request: Request) -> bytes | None:
-    """The content hash of the request's LoRA adapter: its blocks are its own (never another adapter's)."""
-    adapter = getattr(request, "adapter", None)
-    return adapter.key if adapter is not None else None

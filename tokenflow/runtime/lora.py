@@ -17,7 +17,7 @@ import json
 import math
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +38,8 @@ _PREFIX = "base_model.model."
 class LoraAdapter:
     name: str
     path: str
-    scale: float
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A [r, in], B [out, r])
-    key: bytes = b""  # content hash: prefix-cache and response-cache keys of its requests
-    ranks: set[int] = field(default_factory=set)
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # module name -> (A [r, in], B [out, r], scale)
+    key: bytes  # content hash: prefix-cache and response-cache keys of its requests
 
 
 def load_adapter(name: str, folder: str | Path, model: torch.nn.Module) -> LoraAdapter:
@@ -66,9 +64,7 @@ def load_adapter(name: str, folder: str | Path, model: torch.nn.Module) -> LoraA
     alpha = float(config.get("lora_alpha", 8))
     parameter = next(model.parameters())
     modules = dict(model.named_modules())
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    ranks: set[int] = set()
-    scales: set[float] = set()
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     digest = hashlib.blake2b(digest_size=16, person=b"tokenflow-lora")
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     for key in sorted(tensors):
@@ -86,20 +82,13 @@ def load_adapter(name: str, folder: str | Path, model: torch.nn.Module) -> LoraA
         if a.shape != (rank, module.in_features) or b.shape != (module.out_features, rank):
             raise InvalidRequest(f"LoRA adapter {name!r}: {module_name} has A {tuple(a.shape)}, B {tuple(b.shape)}; "
                                  f"the layer is {module.in_features} -> {module.out_features}", field="lora")
-        ranks.add(rank)
-        scales.add(alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank)
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank  # per module: rank_pattern
         digest.update(key.encode() + a.float().numpy().tobytes() + b.float().numpy().tobytes())
-        weights[module_name] = (a.to(parameter.dtype).to(parameter.device), b.to(parameter.dtype).to(parameter.device))
+        weights[module_name] = (a.to(parameter.dtype).to(parameter.device), b.to(parameter.dtype).to(parameter.device),
+                                scale)
     if not weights:
         raise InvalidRequest(f"LoRA adapter {name!r}: no LoRA weights in {folder}", field="lora")
-    if len(scales) != 1:  # one alpha and rank_pattern: each module its own scale
-        scaled = {}
-        for module_name, (a, b) in weights.items():
-            rank = a.shape[0]
-            scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-            scaled[module_name] = (a, b * scale)
-        return LoraAdapter(name, str(folder), 1.0, scaled, digest.digest(), ranks)
-    return LoraAdapter(name, str(folder), scales.pop(), weights, digest.digest(), ranks)
+    return LoraAdapter(name, str(folder), weights, digest.digest())
 
 
 _active = threading.local()  # the rows of the step being run on this thread, per adapter
@@ -136,9 +125,9 @@ class _LoraForward:
             pair = adapter.weights.get(self.name)
             if pair is None:
                 continue
-            a, b = pair
+            a, b, scale = pair
             delta = (flat_x.index_select(0, index) @ a.t()) @ b.t()
-            flat_out.index_add_(0, index, delta, alpha=adapter.scale)
+            flat_out.index_add_(0, index, delta, alpha=scale)
         return out
 
 

@@ -332,26 +332,19 @@ class PagedModelRunner:
         out = self._forward(step, greedy)
         return out if isinstance(out, GreedyTokens) else out.cpu()
 
-    def _forward(self, step: PackedStep, greedy: bool = False) -> torch.Tensor | GreedyTokens:
-        if step.lora_rows:
-            with step_rows(step.lora_rows):
-                return self._model_forward(step, greedy)
-        return self._model_forward(step, greedy)
-
-    def _model_forward(self, step: PackedStep, greedy: bool) -> torch.Tensor | GreedyTokens:
-        if self.fused is not None:
-            with torch.inference_mode(), sdpa_backends(self.device):
-                out = self.fused(step.input_ids, step.position_ids, step.logits_to_keep, step.meta, greedy)
-            return out if isinstance(out, GreedyTokens) else out.float()
-        with torch.inference_mode(), sdpa_backends(self.device):
-            out = self.model(
-                input_ids=step.input_ids,
-                position_ids=step.position_ids,
-                use_cache=False,
-                logits_to_keep=step.logits_to_keep,
-                **{META_KWARG: step.meta},
-            )
-        return out.logits[0].float()  # [num_sampled, vocab]
+    def _forward(self, step: PackedStep, greedy: bool = False, hidden: bool = False) -> torch.Tensor | GreedyTokens:
+        """The step's logits (`greedy`: its tokens where the greedy head settles them); with `hidden`, the final
+        norm's output of its kept rows instead."""
+        rows = step_rows(step.lora_rows) if step.lora_rows else contextlib.nullcontext()
+        with rows, torch.inference_mode(), sdpa_backends(self.device):
+            if self.fused is not None:
+                out = self.fused(step.input_ids, step.position_ids, step.logits_to_keep, step.meta, greedy, hidden)
+                return out if isinstance(out, GreedyTokens) else out.float()
+            inputs = dict(input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False,
+                          **{META_KWARG: step.meta})
+            if hidden:  # the base model's output is the final norm's
+                return self.model.base_model(**inputs).last_hidden_state[0].index_select(0, step.logits_to_keep).float()
+            return self.model(**inputs, logits_to_keep=step.logits_to_keep).logits[0].float()  # [num_sampled, vocab]
 
     def hidden_states(self, token_ids: Sequence[int], chunk: int) -> torch.Tensor:
         """The final norm's output for every token of one sequence, `[len, hidden]` fp32 on the CPU (what
@@ -365,17 +358,10 @@ class PagedModelRunner:
         table = list(range(blocks))
         rows = []
         for start in range(0, len(token_ids), chunk):
-            piece = list(token_ids[start:start + chunk])
-            step = self.prepare([SeqChunk(piece, start, table, False)], scratch)
-            every = torch.arange(len(piece), device=self.device)
-            with torch.inference_mode(), sdpa_backends(self.device):
-                if self.fused is not None:
-                    out = self.fused(step.input_ids, step.position_ids, every, step.meta, hidden=True)
-                else:
-                    out = self.model.base_model(input_ids=step.input_ids, position_ids=step.position_ids,
-                                                use_cache=False, **{META_KWARG: step.meta}).last_hidden_state[0]
+            piece = list(token_ids[start:start + chunk])  # every row kept: num_logits covers the chunk
+            out = self._forward(self.prepare([SeqChunk(piece, start, table, True, len(piece))], scratch), hidden=True)
             assert isinstance(out, torch.Tensor)
-            rows.append(out.float().cpu())
+            rows.append(out.cpu())
         return torch.cat(rows)
 
     def prepare(self, chunks: Sequence[SeqChunk], kv_cache: KVCache) -> PackedStep:

@@ -304,9 +304,8 @@ def to_engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> tuple[A
 def engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     """The Engine keyword arguments of a decoded body, shared by each of its prompts and choices."""
     kwargs: dict[str, Any] = {k: getattr(body, k) for k in PASSTHROUGH if getattr(body, k) is not None}
-    if body.temperature is not None and not body.temperature <= MAX_TEMPERATURE:
-        raise InvalidRequest(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {body.temperature}",
-                             field="temperature")
+    if body.temperature is not None:
+        check_temperature(body.temperature)
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("`stream_options` is only for streaming requests (stream: true)", field="stream_options")
     if body.logit_bias is not None:
@@ -341,6 +340,13 @@ def engine_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[str, 
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     return kwargs
+
+
+def check_temperature(value: float) -> float:
+    """`value`, refused (naming `temperature`) past OpenAI's bound."""
+    if not 0 <= value <= MAX_TEMPERATURE:
+        raise InvalidRequest(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {value}", field="temperature")
+    return value
 
 
 def _logit_bias(given: dict[str, float]) -> dict[int, float]:

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from tokenflow.errors import InvalidRequest
 from tokenflow.params import Completion
+from tokenflow.serve.openai_protocol import ToolFunction, ToolSpec, check_temperature, decode_as
 from tokenflow.structured.strict import strict_schema
 from tokenflow.structured.tools import content_besides_calls, template_arguments
 
@@ -187,9 +188,7 @@ def _kwargs(body: ResponsesRequest) -> dict[str, Any]:
     """The Engine keywords of the body."""
     kwargs: dict[str, Any] = {}
     if body.temperature is not None:
-        if not 0 <= body.temperature <= 2:
-            raise InvalidRequest(f"temperature must be in [0, 2], got {body.temperature}", field="temperature")
-        kwargs["temperature"] = body.temperature
+        kwargs["temperature"] = check_temperature(body.temperature)
     for name in ("top_p", "seed"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
@@ -201,10 +200,8 @@ def _kwargs(body: ResponsesRequest) -> dict[str, Any]:
     elif isinstance(fmt, TextFormatJsonObject):
         kwargs["json_object"] = True
     if body.tools:
-        kwargs["tools"] = [{"type": "function", "function": {
-            "name": t.name, "description": t.description or "",
-            "parameters": strict_schema(t.parameters or {}, field="tools") if t.strict else t.parameters or {}}}
-            for t in body.tools]
+        kwargs["tools"] = [ToolSpec(ToolFunction(t.name, t.description, t.parameters or {}, t.strict)).to_dict()
+                           for t in body.tools]
         choice = body.tool_choice
         if isinstance(choice, NamedFunction):
             kwargs["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
@@ -267,11 +264,11 @@ async def responses(request: Request, settings: Any) -> Response:
         _apply_policy,
         _EventStream,
         _read_body,
+        _served_as,
         _sse,
         _unknown_model,
         _unless_disconnected,
     )
-    from tokenflow.serve.openai_protocol import decode_as
 
     engine = request.app.state.engine
     body = decode_as(await _read_body(request, settings.max_request_bytes), ResponsesRequest)
@@ -280,10 +277,7 @@ async def responses(request: Request, settings: Any) -> Response:
     store: StoredResponses = request.app.state.responses
     earlier = store.get(body.previous_response_id) if body.previous_response_id else []
     messages = _messages(body, earlier)
-    kwargs = await _apply_policy(request, _kwargs(body), settings)
-    if body.model is not None and body.model in engine.adapters:
-        kwargs["lora"] = body.model
-    model = body.model or engine.model_name
+    model, kwargs = _served_as(body, engine, await _apply_policy(request, _kwargs(body), settings))
     rid, created = "resp_" + secrets.token_hex(16), int(time.time())
 
     def finish(done: Completion) -> tuple[list[dict[str, Any]], dict[str, Any]]:
