@@ -21,32 +21,63 @@ from typing import Any
 import anyio
 
 from tokenflow.errors import InvalidRequest, Overloaded, TokenflowError
+from tokenflow.extras import check_installed
 
 __all__ = ("main",)
 
-_SAMPLING_FLAGS: tuple[tuple[str, type], ...] = (
-    ("max_tokens", int), ("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
-    ("repetition_penalty", float), ("presence_penalty", float), ("frequency_penalty", float), ("seed", int),
-    ("logprobs", int), ("timeout", float),
+# (name, type, help): the generation flags of `generate` and `chat`; None means SamplingParams' default
+_SAMPLING_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("max_tokens", int, "tokens to generate at most (default: the engine's default_max_tokens, 128, fewer when the "
+                        "context has less room)"),
+    ("temperature", float, "sampling temperature; 0 is greedy (default: 1.0)"),
+    ("top_p", float, "nucleus sampling: keep the fewest tokens holding this much probability (default: 1.0, off)"),
+    ("top_k", int, "keep only the k most likely tokens (default: 0, off)"),
+    ("min_p", float, "drop tokens less likely than this times the most likely one (default: 0.0, off)"),
+    ("repetition_penalty", float, "divide the logits of tokens already seen by this (default: 1.0, off)"),
+    ("presence_penalty", float, "subtract this from the logits of tokens already generated (default: 0.0)"),
+    ("frequency_penalty", float, "subtract this times each token's count so far (default: 0.0)"),
+    ("seed", int, "seed of this request's sampling, for repeatable samples (default: none, random)"),
+    ("logprobs", int, "also return this many top alternatives per token (with --json; default: none)"),
+    ("timeout", float, "give up after this many seconds (default: none, or the engine's `timeout` setting)"),
 )
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default after its help unless the help already says it (flags whose default is
+    decided later, e.g. by the engine, say so in their help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or any(
+            action.default is unset for unset in (None, False, argparse.SUPPRESS)
+        ):
+            return text
+        shown = ",".join(map(str, action.default)) if isinstance(action.default, list) else "%(default)s"
+        return f"{text} (default: {shown or 'none'})"
+
+
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="alias, HF folder, .gguf file or hub id (default: smollm2-135m)")
-    p.add_argument("--config", help="TOML file of engine settings")
-    p.add_argument("--backend", help="paged (default) or hf")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--model", "-m", help="alias, HF folder, .gguf file or hub id (default: smollm2-135m, embedded)")
+    p.add_argument("--config", help="TOML file of engine settings (default: $TOKENFLOW_CONFIG; none)")
+    p.add_argument("--backend", help="paged (tokenflow's KV cache, continuous batching) or hf (transformers "
+                                     "generate) (default: paged)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (default: auto: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, "
+                        "else float32)")
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:N (default: auto, CUDA when there is a GPU)")
+    p.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                   help="context length, prompt + output (default: the model's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other engine setting, e.g. --set max_num_seqs=8")
+                   help="any other engine setting, e.g. --set max_num_seqs=8; repeatable (default: none; "
+                        "every setting: docs/settings.md)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
-    for name, kind in _SAMPLING_FLAGS:
-        p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", default=None)
+    for name, kind, help_text in _SAMPLING_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), type=kind, dest=name, help=help_text)
+    p.add_argument("--stop", action="append", help="stop when this string is generated; repeatable (default: none)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token, up to --max-tokens")
 
 
 def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,7 +112,7 @@ class UsageError(Exception):
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs = {name: getattr(args, name) for name, _ in _SAMPLING_FLAGS if getattr(args, name) is not None}
+    kwargs = {name: getattr(args, name) for name, _, _ in _SAMPLING_FLAGS if getattr(args, name) is not None}
     if args.stop:
         kwargs["stop"] = args.stop
     if args.ignore_eos:
@@ -207,8 +238,9 @@ def _serve(args: argparse.Namespace) -> None:
     settings = _preflight(args)
     if args.max_request_bytes <= 0:
         raise UsageError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
-    uvicorn = _require_extra("uvicorn", "server", "tokenflow serve")
-    _require_extra("starlette", "server", "tokenflow serve")
+    check_installed("server", "tokenflow serve", "uvicorn", "starlette", "prometheus_client")
+    import uvicorn
+
     sock = _listen(args.host, args.port)
     from tokenflow.serve.openai_app import create_app
 
@@ -230,15 +262,6 @@ def _listen(host: str, port: int) -> socket.socket:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
         hint = " (is another server running there? pick another --port)" if exc.errno == errno.EADDRINUSE else ""
         raise UsageError(f"cannot listen on {host}:{port}: {reason}{hint}") from None
-
-
-def _require_extra(module: str, extra: str, what: str) -> Any:
-    """Import `module`, or a UsageError naming the pip install that provides it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise UsageError(f"{what} needs the `{extra}` extra ({module} is not installed): "
-                         f"pip install 'tokenflow-engine[{extra}]'") from None
 
 
 def _plugins(args: argparse.Namespace) -> None:
@@ -335,18 +358,20 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole parser; only the benchmark named by `command` (if any) gets its module's flags."""
-    parser = argparse.ArgumentParser(prog="tokenflow", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tokenflow", description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"tokenflow {_version()}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", choices=LOG_LEVELS, default="info",
-                        help="log lines on stderr from this level up (default: info)")
+                        help="log lines on stderr from this level up")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_text, parents=[common])
+        return sub.add_parser(name, help=help_text, description=help_text, parents=[common],
+                              formatter_class=HelpFormatter)
 
     gen = add("generate", "generate text for one prompt")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt (sent through the model's chat template unless --raw)")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="print the whole Completion as JSON")
@@ -355,7 +380,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _sampling_flags(gen)
 
     chat = add("chat", "an interactive chat that keeps the conversation (oldest turns dropped to fit)")
-    chat.add_argument("--system", help="a system prompt")
+    chat.add_argument("--system", help="a system prompt (default: none)")
     _engine_flags(chat)
     _sampling_flags(chat)
 
@@ -363,19 +388,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     serve = add("serve", "an OpenAI-compatible HTTP server (uvicorn) around one engine")
     _engine_flags(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` (default: $TOKENFLOW_API_KEY; none)")
-    serve.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="larger bodies get 413")
+    serve.add_argument("--max-request-bytes", type=int, default=4 * 2**20, metavar="BYTES",
+                       help="request bodies larger than this get 413")
     serve.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                        help="a browser origin allowed to call the API (repeatable; none by default)")
     serve.add_argument("--report-cached-tokens", action="store_true",
-                       help="report usage.prompt_tokens_details.cached_tokens (tells callers what others sent)")
+                       help="report usage.prompt_tokens_details.cached_tokens (off by default: it tells callers "
+                            "what others sent)")
     serve.add_argument("--trust-client-field", action="append", choices=["priority", "cache_salt"],
-                       help="let clients set this field themselves (repeatable)")
+                       help="let clients set this field themselves; repeatable (default: none, the server sets "
+                            "them)")
 
     pull = add("pull", "fetch and convert a model into the cache (default: the embedded one)")
-    pull.add_argument("model", nargs="?", default=None)
+    pull.add_argument("model", nargs="?", default=None,
+                      help="alias, HF folder, .gguf file or hub id (default: smollm2-135m, embedded)")
     add("list", "list the converted models in the cache, with their sizes")
     rm = add("rm", "delete converted models from the cache (they are rebuilt on next use)")
     rm.add_argument("names", nargs="+", metavar="NAME", help="a name that `tokenflow list` shows")

@@ -21,6 +21,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from tokenflow.errors import PluginError
+from tokenflow.extras import PLUGIN_DISTRIBUTIONS, install_hint
 from tokenflow.kv.eviction import EvictionPolicy
 from tokenflow.protocols import (
     OPTIONAL_HOOKS,
@@ -100,7 +101,9 @@ def find(group: str, name: str) -> EntryPoint:
     matches = [ep for ep in entry_points(group=group) if ep.name == name]
     if not matches:
         known = ", ".join(sorted(ep.name for ep in entry_points(group=group))) or "none"
-        raise PluginError(f"no plugin named {name!r} in entry-point group {group!r} (found: {known})")
+        extra = PLUGIN_DISTRIBUTIONS.get((group, name))
+        hint = f"; it comes with the `{extra}` extra: {install_hint(extra)}" if extra else ""
+        raise PluginError(f"no plugin named {name!r} in entry-point group {group!r} (found: {known}){hint}")
     # A third-party plugin may not shadow a built-in silently: prefer the built-in.
     matches.sort(key=lambda ep: not _origin(ep)[1])
     ep = matches[0]

@@ -131,11 +131,11 @@ async def kv_blocks_by_length(lengths: list[int]) -> list[dict[str, Any]]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="model name, folder or file")
     p.add_argument("--text", default="/usr/share/common-licenses/GPL-3", help="a long English text file")
-    p.add_argument("--max-text-tokens", type=int, default=8192)
-    p.add_argument("--json", dest="json_out", default=None)
-    p.add_argument("--plot", default=None, help="draw the results into this PNG (needs matplotlib)")
+    p.add_argument("--max-text-tokens", type=int, default=8192, help="tokens of the text read at most")
+    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file (default: none)")
+    p.add_argument("--plot", default=None, help="draw the results into this PNG (needs the plot extra; default: none)")
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:

@@ -21,10 +21,10 @@ __all__ = ("add_arguments", "run_bench_dashboard")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="model name, folder or file")
     p.add_argument("--rounds", type=int, default=6, help="passes of each kind, alternating")
     p.add_argument("--seconds", type=float, default=8.0, help="length of a pass")
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file (default: none)")
 
 
 async def _pass(engine: Any, feed: Any, seconds: float, scrape: bool, scrapes_ms: list[float]) -> float:

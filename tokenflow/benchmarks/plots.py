@@ -10,17 +10,16 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from tokenflow.extras import require
+
 __all__ = ("add_arguments", "plot_attention", "plot_prefix", "plot_throughput", "run_bench_plot")
 
 
 def _pyplot() -> Any:
-    try:
-        import matplotlib
+    matplotlib = require("matplotlib", "plot", "--plot")
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")  # files only: no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("plots need matplotlib: pip install 'tokenflow-engine[plot]'") from None
     return plt
 
 

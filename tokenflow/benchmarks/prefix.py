@@ -152,14 +152,14 @@ async def run_ttft(model: str, prefix_tokens: int, vocab: int, queued: int = QUE
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="model name, folder or file")
     p.add_argument("--system-tokens", type=int, default=1000, help="length of each hot system prompt")
     p.add_argument("--doc-tokens", type=int, default=1200, help="length of each one-off document")
     p.add_argument("--cycles", type=int, default=6, help="cycles of 4 hot requests and 3 documents")
     p.add_argument("--pool-blocks", type=int, default=320, help="KV pool size for the hit-rate run")
     p.add_argument("--prefix-tokens", type=int, default=1500, help="cached prefix length in the TTFT table")
-    p.add_argument("--json", dest="json_out", default=None)
-    p.add_argument("--plot", default=None, help="draw the results into this PNG (needs matplotlib)")
+    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file (default: none)")
+    p.add_argument("--plot", default=None, help="draw the results into this PNG (needs the plot extra; default: none)")
 
 
 def _print(rows: list[dict[str, Any]], cols: list[str]) -> None:

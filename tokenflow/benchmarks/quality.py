@@ -195,7 +195,7 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help="model name, folder or file (default: the embedded model)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--llamacpp", action="store_true",
                    help="llama.cpp's llama-perplexity on the bf16 GGUF and each GGUF variant's file, beside ours")
@@ -208,4 +208,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--continuation-tokens", type=int, default=256, help="compression: tokens scored after them")
     p.add_argument("--retrieval-lengths", default="1000,2500,4000", help="pass-key documents, in tokens")
     p.add_argument("--retrieval-trials", type=int, default=10, help="pass keys per document length")
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file (default: none)")

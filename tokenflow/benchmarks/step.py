@@ -170,9 +170,9 @@ def scheduler_us_per_step(num_running: int = 64, prompt_tokens: int = 300, steps
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="model name, folder or file")
     p.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file (default: none)")
     p.add_argument("--parts", action="store_true",
                    help="only where a step's time goes: linears, head, attention, norms, rest, for decode steps "
                         "and prefill chunks in bf16 and fp32, few-rows kernel and oneDNN alternating, each against "

@@ -260,7 +260,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name, folder or file (default: the embedded model)")
     p.add_argument("--model-shape", default=None, choices=sorted(MODEL_SHAPES),
                    help="instead of --model: random weights in this real model's shapes, with the embedded "
-                        "model's vocabulary (built once into the model cache)")
+                        "model's vocabulary (built once into the model cache; default: none)")
     p.add_argument("--engines", default="paged,paged-ngram,hf,naive",
                    help="comma list of paged, paged-ngram (paged with speculative_tokens=3), paged-int8 "
                         "(quantization=int8), paged-kv-int8 (kv_cache_dtype=int8), hf, naive")
@@ -270,8 +270,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenarios", "--workload", default="standard",
                    help="comma list of standard (chat), shared-prefix, restart, long (16 prompts of ~1,900 tokens)")
     p.add_argument("--concurrency", default="1,16", help="comma list of client counts (standard)")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--requests", type=int, default=32, help="requests per pass")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (EOS ignored)")
     p.add_argument("--min-prompt", type=int, default=20, help="words of the shortest standard prompt")
     p.add_argument("--max-prompt", type=int, default=600, help="words of the longest standard prompt")
     p.add_argument("--dtype", default="float32", help="comma list: each dtype is a run of its own")
@@ -281,13 +281,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=8, help="shared-prefix: conversations, all at once")
     p.add_argument("--turns", type=int, default=4, help="shared-prefix: turns per conversation")
     p.add_argument("--system-tokens", type=int, default=1000, help="shared-prefix: tokens of the system prompt")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--settings", default=None, help="JSON of extra tokenflow engine settings")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="tokenflow's and the peers' sequences per step")
+    p.add_argument("--settings", default=None, help="JSON of extra tokenflow engine settings (default: none)")
     p.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="standard: run each pass also beside N busy-looping processes (cores taken by other work)")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false")
-    p.add_argument("--json", dest="json_out", default=None, help="write the results to this file")
-    p.add_argument("--plot", default=None, help="draw the results into this PNG (needs matplotlib)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the warm-up requests before each timed pass (they are run by default)")
+    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file (default: none)")
+    p.add_argument("--plot", default=None, help="draw the results into this PNG (needs the plot extra; default: none)")
     p.add_argument("--worker", dest="engine", default=None, help=argparse.SUPPRESS)
     p.add_argument("--workload-file", default=None, help=argparse.SUPPRESS)
 

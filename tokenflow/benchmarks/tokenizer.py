@@ -121,10 +121,10 @@ def _detok_cost(tokenizer: Any, streams: int, steps: int) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=2000)
-    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--model", default=None, help="model whose tokenizer is measured (default: the embedded model)")
+    p.add_argument("--requests", type=int, default=64, help="prompts encoded at once")
+    p.add_argument("--prompt-tokens", type=int, default=2000, help="tokens per prompt")
+    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file (default: none)")
 
 
 def run_bench_tokenizer(args: argparse.Namespace) -> dict[str, Any]:

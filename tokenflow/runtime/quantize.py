@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenflow.errors import ModelLoadError
+from tokenflow.extras import require
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.runtime.cpu.int8_linear import SMOOTH_ALPHA, Int8Linear, Int8Weight, load_int8_kernels, quantize_weight
 
@@ -145,11 +146,8 @@ def quantize_runner(runner: PagedModelRunner, tokenizer: Any, model_key: bytes, 
 def quantize_weight_only(fused: FusedDecoder) -> int:
     """Swap `fused`'s linears for torchao's weight-only int8 ones (the CUDA form; any device runs it);
     returns the bytes of the int8 weights and their scales."""
-    try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    except ImportError as exc:
-        raise ModelLoadError("quantization='int8' on CUDA needs torchao: "
-                             "pip install 'tokenflow-engine[cuda-int8]'") from exc
+    torchao_quantization = require("torchao.quantization", "cuda-int8", "quantization='int8' on CUDA")
+    Int8WeightOnlyConfig, quantize_ = torchao_quantization.Int8WeightOnlyConfig, torchao_quantization.quantize_
     total = 0
     for name, (weight, bias) in fused.linear_weights().items():
         layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
