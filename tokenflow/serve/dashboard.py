@@ -4,6 +4,13 @@
 The JSON is `engine.stats()` plus what a snapshot of counters cannot show, kept by `DashboardFeed`, an
 engine observer: the distributions of recent step times and times to first token, request outcomes, and
 the latest errors by type. Rates and "over time" charts are drawn by the page from successive polls.
+
+Both routes sit behind the API key (`openai_app._authorized`: `Authorization: Bearer <key>`, or Basic auth
+with the key as the password). The page builds every URL it fetches from `location.origin`, never from its
+own URL, which may carry `user:key@` (a browser refuses a fetch to a URL with credentials); the key reaches
+those fetches as the Basic-auth identity the browser logged in to the page with (from the URL or its login
+prompt), which it sends again to the same origin, or as the Bearer header a proxy or extension adds to every
+request.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ STEP_MS_EDGES = (5, 10, 20, 35, 50, 75, 100, 150, 250, 500, 1000)  # histogram b
 TTFT_S_EDGES = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _RECENT = 2048  # steps and requests the distributions cover
 _ERRORS = 20  # latest errors listed
+_MESSAGE_CHARS = 200  # an error's message, cut (the page wraps it, however long its words)
 
 
 def _histogram(values: collections.deque[float], edges: tuple[float, ...]) -> dict[str, Any]:
@@ -54,12 +62,16 @@ class DashboardFeed:
         """An error an HTTP caller got (the routes report each one, wherever it was raised)."""
         kind = type(error).__name__
         self.error_counts[kind] += 1
-        self.errors.appendleft({"time": time.time(), "type": kind, "message": str(error)[:200]})
+        message = str(error)
+        if len(message) > _MESSAGE_CHARS:
+            message = message[:_MESSAGE_CHARS - 1] + "…"
+        self.errors.appendleft({"time": time.time(), "type": kind, "message": message})
 
     def snapshot(self, stats: dict[str, Any]) -> dict[str, Any]:
         """The JSON of `GET /v1/engine/stats`."""
         return {
             "time": time.time(),
+            "recent": _RECENT,  # how many of the latest steps and requests the histograms count
             "stats": stats,
             "step_ms": _histogram(self.step_ms, STEP_MS_EDGES),
             "ttft_s": _histogram(self.ttft_s, TTFT_S_EDGES),
