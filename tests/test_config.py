@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
+import msgspec
 import pytest
 
-from tokenflow import EngineConfig
+from tokenflow import EngineConfig, SamplingParams
 from tokenflow.errors import ConfigError
 
 
@@ -104,3 +107,38 @@ def test_environment_typos_are_refused_by_name_but_tool_variables_are_not() -> N
                                     "TOKENFLOW_TEST_MODEL", "TOKENFLOW_INDEX_URL", "TOKENFLOW_KERNEL_CFLAGS",
                                     "TOKENFLOW_VLLM_PYTHON")}  # the bench's peer interpreter (was refused)
     assert EngineConfig.load(environ=tools).max_num_seqs == EngineConfig.load(environ={}).max_num_seqs
+
+
+def _descriptions() -> dict[str, str]:
+    fields = msgspec.inspect.type_info(EngineConfig).fields
+    return {f.name: (f.type.extra_json_schema or {}).get("description", "") for f in fields}
+
+
+def test_every_setting_has_a_description_naming_only_real_settings() -> None:
+    """The settings reference (docs/reference/settings.md) is generated from these descriptions: every field has
+    one, and a setting a description names in backticks (`max_num_seqs`) exists, so a rename cannot leave one
+    pointing nowhere. Other snake_case names there are request parameters, Engine methods or known values."""
+    from tokenflow.engine import Engine
+
+    descriptions = _descriptions()
+    assert not [name for name, text in descriptions.items() if not text.strip()]
+    known = (set(descriptions) | set(SamplingParams.__struct_fields__)
+             | {name for name in dir(Engine) if not name.startswith("_")}
+             | {"lfu_lru", "disk_tier", "redis_tier"})  # a policy's name; stage names of request_stages before 0.2
+    named = {(field, name) for field, text in descriptions.items()
+             for name in re.findall(r"`([a-z][a-z0-9]*(?:_[a-z0-9]+)+)`", text)}
+    assert named, "the check below would check nothing"
+    assert sorted((field, name) for field, name in named if name not in known) == []
+
+
+def test_environment_values_are_parsed_by_the_field_type_not_its_description() -> None:
+    """`TOKENFLOW_*` values are split as lists or read as JSON tables by the field's annotation text, which now
+    carries its description: a description must not make a scalar look like a list or a table."""
+    for field in msgspec.inspect.type_info(EngineConfig).fields:
+        kind = field.type.type
+        kinds = kind.types if isinstance(kind, msgspec.inspect.UnionType) else (kind,)
+        annotation = str(EngineConfig.__annotations__[field.name])
+        is_dict = any(isinstance(k, msgspec.inspect.DictType) for k in kinds)
+        is_list = any(isinstance(k, msgspec.inspect.ListType) for k in kinds)
+        assert ("dict[" in annotation) == is_dict, field.name
+        assert ("list[" in annotation) == is_list, field.name

@@ -69,7 +69,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="context length, prompt + output (default: the model's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other engine setting, e.g. --set max_num_seqs=8; repeatable (default: none; "
-                        "every setting: docs/settings.md)")
+                        "every setting: docs/reference/settings.md)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:

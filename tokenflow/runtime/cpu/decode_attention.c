@@ -235,7 +235,7 @@ int paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cac
  * tile's rows front to back, all heads of a row together, each dot product left as a vector of partial
  * sums, the tile's 16 reduced at once per head; the values pass goes one KV head at a time with its GROUP
  * accumulators in registers. Each pass prefetches the next tile's rows in step with the ones it reads:
- * front-to-back reads and fetches ahead keep the memory streaming while the arithmetic runs (README,
+ * front-to-back reads and fetches ahead keep the memory streaming while the arithmetic runs (docs/benchmarks.md,
  * "Where the CPU speed comes from"). Returns 0, or -1 when group or head_dim differ from the build's. */
 int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, const int64_t *tables,
                      int64_t max_blocks, const int64_t *lengths, int64_t n, int64_t kv_heads, int64_t group_arg,

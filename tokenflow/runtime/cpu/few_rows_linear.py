@@ -4,7 +4,7 @@ Why: a decode step reads every weight once for a handful of rows, so it runs at 
 weights stream from memory. oneDNN's packed product (`packed_linear`) reads them well below that
 for 1–64 rows; a kernel that streams each 64-channel panel front to back with the rows'
 accumulators in registers ran SmolLM2's linears 1.7× faster at one row and ~1.3× at 16 in bf16
-(README, "Where the CPU speed comes from"). Steps with more rows (prefill chunks) are compute-bound,
+(docs/benchmarks.md, "Where the CPU speed comes from"). Steps with more rows (prefill chunks) are compute-bound,
 where oneDNN's cache-blocked product stays faster, so they keep it.
 
 On CPUs with AMX, decode-only bf16 steps of more than a few rows run the same packed panels on AMX tiles
