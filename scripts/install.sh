@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv and install tokenflow (distribution `tokenflow-engine`) from this checkout.
 #
-#   scripts/install.sh         the slim core: enough for `tokenflow generate` and the Python API; no sudo
-#   scripts/install.sh --dev   the core, the test extras, the three plugins under plugins/, and the
-#                              programs the tests use (redis-server and chromium, from apt when missing)
+#   scripts/install.sh            the slim core: enough for `tokenflow generate` and the Python API; no sudo
+#   scripts/install.sh --dev      the core, the test extras, the redact and Redis plugins under plugins/, and
+#                                 redis-server (from apt when missing): what `python -m pytest` needs
+#   scripts/install.sh --dev-all  also the heavy test tools and the tests that need them (conftest.py): the Ray
+#                                 plugin (Ray, pyarrow), Playwright with Debian's chromium, lm-eval, and the docs
+#                                 site's tools (docs/requirements.txt); what CI runs
 #
 # On a machine without an NVIDIA GPU it installs the CPU build of torch 2.13
 # (set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where PyPI's
@@ -15,26 +18,29 @@ MODE=core
 case "${1:-}" in
     "") ;;
     --dev) MODE=dev ;;
-    *) echo "usage: $0 [--dev]" >&2; exit 2 ;;
+    --dev-all) MODE=dev-all ;;
+    *) echo "usage: $0 [--dev | --dev-all]" >&2; exit 2 ;;
 esac
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "${PIP[@]}" torch
-else
-    "${PIP[@]}" "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-fi
+source scripts/torch.sh
+install_torch "${PIP[@]}"
 if [ "$MODE" = core ]; then
     "${PIP[@]}" -e .
 else
     # The plugins are installed from their folders in the same command, so `tokenflow-engine[...]`
-    # and the plugins' own `tokenflow-engine` requirement resolve to this checkout, not to PyPI.
-    "${PIP[@]}" -e ".[dev]" -e plugins/tokenflow-redact -e plugins/tokenflow-redis -e plugins/tokenflow-ray
-    # redis-server for the shared-tier tests, chromium for the dashboard test (Playwright drives it)
+    # and the plugins' own `tokenflow-engine` requirement resolve to this checkout, not to an index.
+    PROGRAMS=(redis-server)  # the shared-tier tests
+    if [ "$MODE" = dev ]; then
+        "${PIP[@]}" -e ".[dev]" -e plugins/tokenflow-redact -e plugins/tokenflow-redis
+    else
+        "${PIP[@]}" -e ".[dev-all]" -e plugins/tokenflow-redact -e plugins/tokenflow-redis -e plugins/tokenflow-ray \
+            -r docs/requirements.txt
+        PROGRAMS+=(chromium)  # the dashboard test (Playwright drives it)
+    fi
     MISSING=()
-    command -v redis-server >/dev/null 2>&1 || MISSING+=(redis-server)
-    command -v chromium >/dev/null 2>&1 || MISSING+=(chromium)
+    for program in "${PROGRAMS[@]}"; do command -v "$program" >/dev/null 2>&1 || MISSING+=("$program"); done
     if [ ${#MISSING[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
         SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
         $SUDO apt-get install -y -qq "${MISSING[@]}" >/dev/null 2>&1 \
