@@ -48,13 +48,21 @@ def test_gguf_is_converted_into_a_loadable_folder(tiny_gguf: Path, tmp_path: Pat
     assert list((tmp_path / "models").glob(".gguf-*.tmp-*")) == []
 
 
+def _fingerprint(folder: Path) -> dict[str, tuple[int, int]]:
+    """(inode, mtime) of the folder and each file in it: a rebuild, which renames a fresh folder into place and
+    writes a new marker, changes them."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [folder, *folder.iterdir()]}
+
+
 def test_second_resolve_does_not_convert(tiny_gguf: Path, tmp_path: Path, conversions: list[Path]) -> None:
+    """The second resolve only reads the marker: no conversion, and the cached folder is left exactly as it was."""
     first = dequantized_gguf(tiny_gguf, home=tmp_path, progress=False)
-    started = time.perf_counter()
-    second = dequantized_gguf(tiny_gguf, home=tmp_path, progress=False)
-    assert time.perf_counter() - started < 0.5
-    assert first == second
     assert conversions == [tiny_gguf]
+    before, marker = _fingerprint(first), (first / cache.MARKER).read_bytes()
+    second = dequantized_gguf(tiny_gguf, home=tmp_path, progress=False)
+    assert first == second
+    assert conversions == [tiny_gguf]  # still the first one only
+    assert _fingerprint(second) == before and (second / cache.MARKER).read_bytes() == marker
 
 
 def test_incomplete_folder_without_marker_is_rebuilt(
@@ -236,17 +244,30 @@ def test_a_quantised_gguf_says_how_big_it_becomes(
     assert tiny_gguf.name in text and "fp32" in text and "MiB" in text
 
 
-def test_a_gguf_resolves_to_its_metadata_and_file(tiny_gguf: Path, tmp_path: Path, conversions: list[Path]) -> None:
-    """resolve_model writes the file's config and tokenizer (no weights: they stay in the file) and points at it."""
+def test_a_gguf_resolves_to_its_metadata_and_file(
+    tiny_gguf: Path, tmp_path: Path, conversions: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """resolve_model writes the file's config and tokenizer (no weights: they stay in the file) and points at it;
+    a second resolve reuses that folder without writing it again."""
     from transformers import AutoConfig, AutoTokenizer
 
+    written: list[Path] = []
+    real_write = resolve_mod.write_gguf_metadata
+
+    def counting_write(gguf_path: Path, out_dir: Path) -> None:
+        written.append(gguf_path)
+        real_write(gguf_path, out_dir)
+
+    monkeypatch.setattr(resolve_mod, "write_gguf_metadata", counting_write)
     resolved = resolve_model(tiny_gguf, home=tmp_path, progress=False)
+    assert written == [tiny_gguf]
     assert resolved.name == "tiny" and resolved.gguf_file == tiny_gguf.absolute()
     assert resolved.path == tmp_path / "models" / f"gguf-{sha256_file(tiny_gguf)[:16]}-metadata"
     assert not list(resolved.path.glob("*.safetensors")) and conversions == []
     assert AutoConfig.from_pretrained(resolved.path).num_hidden_layers == 2
     tokenizer = AutoTokenizer.from_pretrained(resolved.path)
     assert tokenizer.chat_template == tiny.CHAT_TEMPLATE and tokenizer.eos_token == "<|im_end|>"
-    started = time.perf_counter()
+    before = _fingerprint(resolved.path)
     assert resolve_model(tiny_gguf, home=tmp_path, progress=False) == resolved
-    assert time.perf_counter() - started < 0.5
+    assert written == [tiny_gguf] and conversions == []  # neither written again nor converted
+    assert _fingerprint(resolved.path) == before

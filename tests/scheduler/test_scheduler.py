@@ -4,65 +4,114 @@ short prompts start first, forced preemption keeps outputs identical, watermarks
 from __future__ import annotations
 
 import random
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import pytest
 
 from tokenflow import Engine
+from tokenflow.protocols import StepPlan
+from tokenflow.request import Request
+from tokenflow.scheduler.scheduler import Scheduler
+
+
+@dataclass
+class Flood:
+    """What `_flood_with_long_prompt` saw: the requests the scheduler admitted while the flood lasted, in order;
+    the long request; and the steps from its arrival to its first token (None: starved) and in all."""
+
+    admitted: list[Request]
+    long: Request
+    first: int | None
+    steps: int
 
 
 async def _flood_with_long_prompt(
-    model: Path, aging_s: float | None, seconds: float
-) -> tuple[int | None, int, float | None]:
+    model: Path, aging_s: float | None, *, steps: int | None = None, late_s: float = 0.0
+) -> Flood:
     """Six clients keep sending short priority-0 requests; after a moment one 4,000-token priority-1
-    request arrives. Returns (steps from its arrival to its first token or None, steps run meanwhile,
-    seconds from its arrival to its first token or None)."""
+    request arrives. The flood lasts until that request's first token, or with `steps` for at least that
+    many steps after its arrival and until a request that arrived `late_s` after it has been admitted. Each
+    prompt token counts as no later arrival (`prompt_token_wait_s=0`), so the queue order is priority and
+    aging alone. A spy on `Scheduler.schedule` records every admission."""
     rng = random.Random(0)
-    settings = dict(max_num_seqs=4, max_batch_tokens=256, num_kv_blocks=600, priority_aging_s=aging_s)
-    async with Engine(model, **settings) as engine:
-        result: dict[str, int] = {}
-        stop = anyio.Event()
+    admitted: list[Request] = []
+    longs: list[Request] = []
+    real_schedule = Scheduler.schedule
 
-        async def client() -> None:
-            while not stop.is_set():
-                prompt = [rng.randrange(5, 400) for _ in range(rng.randint(8, 40))]
-                await engine.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True, priority=0)
+    def spying_schedule(self: Scheduler) -> StepPlan:
+        waiting = {id(r): r for r in self.waiting}
+        longs.extend(r for r in waiting.values() if r.params.priority == 1 and r not in longs)
+        plan = real_schedule(self)
+        admitted.extend(r for r in self.running if waiting.get(id(r)) is r)
+        return plan
 
-        async def long_request() -> None:
-            await anyio.sleep(0.3)
-            start = engine.stats()["num_steps"]
-            result["start"] = start
-            arrived = time.perf_counter()
-            prompt = [rng.randrange(5, 400) for _ in range(4000)]
-            async for _ in engine.stream(prompt, max_tokens=2, temperature=0.0, ignore_eos=True, priority=1):
-                result["first"] = engine.stats()["num_steps"] - start
-                result["seconds"] = time.perf_counter() - arrived  # type: ignore[assignment]
-                break
+    settings = dict(max_num_seqs=4, max_batch_tokens=256, num_kv_blocks=600, priority_aging_s=aging_s,
+                    prompt_token_wait_s=0.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Scheduler, "schedule", spying_schedule)
+        async with Engine(model, **settings) as engine:
+            result: dict[str, int] = {}
+            stop = anyio.Event()
 
-        async with anyio.create_task_group() as tg:
-            for _ in range(6):
-                tg.start_soon(client)
-            tg.start_soon(long_request)
-            with anyio.move_on_after(seconds):
-                while "first" not in result:
-                    await anyio.sleep(0.05)
-            stop.set()
-            total = engine.stats()["num_steps"] - result.get("start", 0)
-            tg.cancel_scope.cancel()
-    return result.get("first"), total, result.get("seconds")
+            async def client() -> None:
+                while not stop.is_set():
+                    prompt = [rng.randrange(5, 400) for _ in range(rng.randint(8, 40))]
+                    await engine.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True, priority=0)
+
+            async def long_request() -> None:
+                await anyio.sleep(0.3)
+                start = engine.stats()["num_steps"]
+                result["start"] = start
+                prompt = [rng.randrange(5, 400) for _ in range(4000)]
+                async for _ in engine.stream(prompt, max_tokens=2, temperature=0.0, ignore_eos=True, priority=1):
+                    result["first"] = engine.stats()["num_steps"] - start
+                    break
+
+            def over() -> bool:
+                if steps is None:
+                    return "first" in result
+                return ("start" in result and engine.stats()["num_steps"] - result["start"] >= steps
+                        and bool(longs) and admitted[-1].arrival_time > longs[0].arrival_time + late_s)
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(6):
+                    tg.start_soon(client)
+                tg.start_soon(long_request)
+                with anyio.fail_after(120):  # a hang guard: with aging the long request does get its token
+                    while not over():
+                        await anyio.sleep(0.01)
+                during = list(admitted)  # once the flood ends, the queue drains: the long request goes too
+                stop.set()
+                total = engine.stats()["num_steps"] - result["start"]
+                tg.cancel_scope.cancel()
+    assert len(longs) == 1
+    return Flood(during, longs[0], result.get("first"), total)
 
 
 async def test_aging_bounds_how_long_a_long_low_priority_prompt_waits(long_context_model) -> None:
-    """Strict priorities starve the long request for as long as the flood lasts; with aging it waits
-    at most `priority_aging_s` (one priority level) of queueing, then its chunked prefill takes about
-    4,000 / 256 = 16 steps of a few ms to tens of ms each."""
-    starved, steps, _ = await _flood_with_long_prompt(long_context_model, aging_s=None, seconds=3.0)
-    assert starved is None and steps > 30, "without aging the flood always goes first"
-    first, _, seconds = await _flood_with_long_prompt(long_context_model, aging_s=0.5, seconds=20.0)
-    assert first is not None and seconds is not None
-    assert seconds < 0.5 + 3.0, (first, seconds)  # measured ~0.8 s (about 320 steps) on a 2-core CI machine
+    """With aging, one priority level is worth `priority_aging_s` of waiting: of the flood, only requests that
+    arrived less than that after the long priority-1 request are admitted before it, and it gets its first
+    token while the flood still runs (its chunked prefill then takes about 4,000 / 256 = 16 steps). Strict
+    priorities starve it through a flood of more steps than that, in which requests arriving twice the aging
+    interval after it went first. Asserted on the order of admissions and the scheduler's own clock (arrival
+    times), not on how long anything took."""
+    aging_s = 0.5
+    aged = await _flood_with_long_prompt(long_context_model, aging_s=aging_s)
+    assert aged.first is not None and aged.long in aged.admitted
+    place = aged.admitted.index(aged.long)
+    passed = [r for r in aged.admitted[:place] if r.arrival_time > aged.long.arrival_time]
+    too_late = [r.arrival_time - aged.long.arrival_time for r in passed
+                if r.arrival_time > aged.long.arrival_time + aging_s]
+    assert too_late == [], "requests arriving more than priority_aging_s after it went first"
+    assert any(r.params.priority == 0 for r in aged.admitted[place + 1:]), "the flood ran on alongside it"
+
+    # The same flood without aging, for more steps than the aged run needed and until requests that arrived
+    # well past `priority_aging_s` after the long one have gone first: it is still waiting.
+    starved = await _flood_with_long_prompt(long_context_model, aging_s=None, steps=aged.first + 50,
+                                            late_s=2 * aging_s)
+    assert starved.first is None and starved.long not in starved.admitted, "without aging the flood goes first"
 
 
 async def test_high_priority_requests_go_first(tiny_model) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import anyio
 import jsonschema
@@ -79,6 +78,9 @@ async def test_json_object_regex_choice_and_grammar(tiny_model) -> None:
 
 
 async def test_bad_constraints_are_typed_errors_and_others_are_served(tiny_model) -> None:
+    """Each bad constraint is refused with an InvalidRequest naming its field (a refusal that never came, e.g. a
+    grammar compiling or waiting forever, fails on the hang guard instead of stalling the suite), and the engine
+    serves a good request after them."""
     async with Engine(tiny_model, max_num_seqs=4, max_grammar_chars=2000) as engine:
         good = engine.generate("hello", max_tokens=20, temperature=0.0, ignore_eos=True)
         cases = {
@@ -88,10 +90,9 @@ async def test_bad_constraints_are_typed_errors_and_others_are_served(tiny_model
             "choice": dict(choice=[]),
         }
         for field, kwargs in cases.items():
-            started = time.perf_counter()
-            with pytest.raises(InvalidRequest) as info:
+            with pytest.raises(InvalidRequest) as info, anyio.fail_after(60):  # a hang guard, not a speed limit
                 await engine.generate("x", max_tokens=5, **kwargs)
-            assert info.value.field == field and time.perf_counter() - started < 5.0
+            assert info.value.field == field, (field, info.value)
         with pytest.raises(InvalidRequest) as info:
             await engine.generate("x", json_schema="{not json")
         assert info.value.field == "json_schema"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import socket
+import threading
 import time
 
 import redis
@@ -116,18 +118,59 @@ def test_responses_round_trip_and_damage_is_a_miss(redis_urls) -> None:
     assert store.get_response("never-stored") is None
 
 
+class Watchdog:
+    """A hang guard for a stalled server: resumes it after `limit_s` (so a call that waited on it returns, and
+    the test fails on what it returned and on `fired`, instead of hanging)."""
+
+    def __init__(self, server, limit_s: float = 30.0) -> None:
+        self.fired = False
+        self._server = server
+        self._timer = threading.Timer(limit_s, self._fire)
+        self._timer.daemon = True
+
+    def _fire(self) -> None:
+        self.fired = True
+        self._server.resume()
+
+    def __enter__(self) -> Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+
+def _accepted(listener: socket.socket) -> int:
+    """How many connections reached `listener` (the kernel completes them without accept())."""
+    listener.setblocking(False)
+    count = 0
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return count
+        conn.close()
+        count += 1
+
+
 def test_a_dead_node_is_bypassed_then_used_again(own_redis) -> None:
+    """A node that refused a connection is bypassed: while its breaker is open, operations on it are misses and
+    dropped writes without any network I/O (a listener on its port sees no connection), then it is used again."""
     store = make_store([own_redis.url], timeout_s=0.2, retry_s=0.5)
     keys, blocks = make_blocks(3)
     assert store.put_block(keys[0], blocks[0])
     own_redis.stop()
     assert store.get_blocks(keys, torch.float32, SHAPE) == []  # connection refused: trips
     assert store.stats()["redis_breaker_trips"] == 1 and not store.available(keys[0].hash)
-    started = time.perf_counter()
-    for _ in range(100):
-        assert not store.put_block(keys[1], blocks[1])
-    assert time.perf_counter() - started < 0.05  # bypassed: no network at all
-    assert store.stats()["redis_bypassed_ops"] >= 100
+    before = store.stats()
+    # Something listens on the port again: a store that did try the network now reaches it.
+    with socket.create_server(("127.0.0.1", own_redis.port)) as listener:
+        for _ in range(100):
+            assert not store.put_block(keys[1], blocks[1])
+        assert _accepted(listener) == 0  # bypassed: no network at all
+    after = store.stats()
+    assert after["redis_bypassed_ops"] - before["redis_bypassed_ops"] == 100
+    assert after["redis_errors"] == before["redis_errors"] and after["redis_breaker_trips"] == 1
     own_redis.start()
     time.sleep(0.6)
     assert store.available(keys[0].hash)
@@ -136,15 +179,22 @@ def test_a_dead_node_is_bypassed_then_used_again(own_redis) -> None:
     assert store.stats()["redis_breaker_recoveries"] == 1
 
 
-def test_a_stalled_node_trips_within_the_timeout(own_redis) -> None:
+def test_a_stalled_node_trips_within_the_timeout(own_redis, caplog) -> None:
+    """A node that stops answering: the read gives up on its own timeout (a miss, the breaker trips) while the
+    node is still stalled, and the next operation on it is bypassed instead of waiting again."""
+    caplog.set_level("WARNING", logger="tokenflow.redis")
     store = make_store([own_redis.url], timeout_s=0.2, retry_s=0.5)
     keys, blocks = make_blocks(2)
     store.put_block(keys[0], blocks[0])
     own_redis.pause()
-    started = time.perf_counter()
-    assert store.get_blocks(keys, torch.float32, SHAPE) == []
-    assert time.perf_counter() - started < 1.0
-    assert store.stats()["redis_breaker_trips"] == 1
+    with Watchdog(own_redis) as watchdog:
+        assert store.get_blocks(keys, torch.float32, SHAPE) == []
+        stats = store.stats()
+        assert not store.put_block(keys[1], blocks[1])  # bypassed: no second wait on the stalled node
+    assert not watchdog.fired, "the read waited for the stalled node instead of timing out"
+    assert stats["redis_breaker_trips"] == 1 and stats["redis_errors"] == 1
+    assert any("Timeout" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert store.stats()["redis_bypassed_ops"] == stats["redis_bypassed_ops"] + 1
     own_redis.resume()
     time.sleep(0.6)
     assert [k for k, _ in store.get_blocks(keys, torch.float32, SHAPE)] == keys[:1]

@@ -7,7 +7,7 @@ import json
 import random
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import anyio
@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from tokenflow import Engine
 from tokenflow.errors import ConfigError
 from tokenflow_redis import KV_TIERS
+from tokenflow_redis.stage import RedisTierSettings
 
 rng = random.Random(7)
 LONG = [rng.randrange(5, 500) for _ in range(300)]  # 18 full blocks of 16
@@ -134,16 +135,27 @@ async def test_redis_stopped_mid_run_no_request_fails_and_it_is_used_again(tiny_
 
 
 async def test_a_stalled_redis_costs_at_most_its_timeout(tiny_model, own_redis, expected) -> None:
+    """Redis stops answering mid-run: every request is still served right, each of the tier's threads (its
+    readers and its writer) meets the stall at most once, on its timeout, and from then on the node is
+    bypassed. A watchdog resumes Redis after a generous limit, so a tier that waited on the stall fails the
+    test instead of hanging it."""
+    readers = RedisTierSettings().readers
     async with Engine(tiny_model, **settings([own_redis.url], timeout_s=0.2, retry_s=30)) as engine:
         assert await generate_all(engine, PROMPTS[:2]) == expected["prompts"][:2]
         own_redis.pause()
-        started = time.perf_counter()
-        assert await generate_all(engine, PROMPTS) == expected["prompts"]
-        stalled_s = time.perf_counter() - started
-        stats = engine.stats()
+        resumed_by_watchdog = threading.Event()
+        watchdog = threading.Timer(60, lambda: (resumed_by_watchdog.set(), own_redis.resume()))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            assert await generate_all(engine, PROMPTS) == expected["prompts"]
+            stats = engine.stats()
+        finally:
+            watchdog.cancel()
     own_redis.resume()
+    assert not resumed_by_watchdog.is_set(), "the tier waited for the stalled Redis"
     assert stats["redis_breaker_trips"] == 1 and stats["redis_bypassed_ops"] > 0 and stats["num_failed"] == 0
-    assert stalled_s < 10  # one timeout (0.2 s) per thread that met the stall, then bypassed
+    assert 1 <= stats["redis_errors"] <= readers + 1, stats  # one timeout per thread that met the stall at most
 
 
 async def test_without_a_shared_secret_the_tier_refuses_to_start(tiny_model, redis_urls) -> None:
