@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +23,13 @@ def _missing(modules: tuple[str, ...]) -> list[str]:
 
 
 LEFT_OUT = {path: missing for path, modules in NEEDS_DEV_ALL.items() if (missing := _missing(modules))}
-collect_ignore = list(LEFT_OUT)
+_ROOT = Path(__file__).parent
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Leave out what LEFT_OUT names, even where it is a `testpaths` entry (which `collect_ignore` keeps)."""
+    left_out = any(collection_path == _ROOT / path or (_ROOT / path) in collection_path.parents for path in LEFT_OUT)
+    return True if left_out else None
 
 
 def pytest_configure(config: pytest.Config) -> None:
