@@ -1,6 +1,6 @@
 """Tests whose tools are heavy (Ray, Playwright with Chromium, lm-eval with pyarrow and pandas) run where
 `scripts/install.sh --dev-all` installed them; with `--dev` they are left out of collection, said once in the
-report header. CI sets TOKENFLOW_TESTS_ALL=1, so there a missing tool is an error, never a silent gap."""
+report header. CI sets TFTESTS_ALL=1, so there a missing tool is an error, never a silent gap."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if LEFT_OUT and os.environ.get("TOKENFLOW_TESTS_ALL") == "1":
-        raise pytest.UsageError(f"TOKENFLOW_TESTS_ALL=1 but these tests cannot run: {LEFT_OUT} "
+    if LEFT_OUT and os.environ.get("TFTESTS_ALL") == "1":
+        raise pytest.UsageError(f"TFTESTS_ALL=1 but these tests cannot run: {LEFT_OUT} "
                                 "(install them with scripts/install.sh --dev-all)")
 
 

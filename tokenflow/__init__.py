@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenflow import errors
 from tokenflow.config import EngineConfig
+from tokenflow.noise import filter_third_party_noise
 from tokenflow.params import Chunk, Completion, SamplingParams, TokenLogprob, Usage
 
 if TYPE_CHECKING:
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     from tokenflow.sync_engine import SyncEngine
 
 __version__ = "0.1.0"
+
+filter_third_party_noise()  # before anything of ours imports torch (and, through transformers, torchao)
 
 __all__ = (
     "Chunk",

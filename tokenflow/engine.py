@@ -41,7 +41,6 @@ from tokenflow.errors import (
 from tokenflow.hub import resolve_model
 from tokenflow.kv.block_hash import model_key
 from tokenflow.limits import RequestLimits
-from tokenflow.noise import filter_third_party_noise
 from tokenflow.output.processor import OutputProcessor, usage_of
 from tokenflow.output.stored_responses import ResponseStore, serving_key
 from tokenflow.params import STRUCTURED_FIELDS, Chunk, Completion, SamplingParams, ToolCall
@@ -131,7 +130,6 @@ class Engine:
             return
         self._state = "starting"
         self._home, self._home_thread = current_event_loop(), threading.get_ident()
-        filter_third_party_noise()
         config = self.config
         try:
             self._portal_task = spawn(lambda: serve_portal(self._set_portal), "tokenflow-portal")

@@ -1,4 +1,4 @@
-"""Third-party log lines that say nothing to a tokenflow user, dropped at engine start.
+"""Third-party log lines that say nothing to a tokenflow user, dropped from `import tokenflow` on.
 
 Each is matched narrowly (logger and message), so the same libraries' other warnings still show:
 - torchao (installed for `cuda-int8`, imported by transformers' quantizers whenever a model loads) logs
