@@ -23,23 +23,6 @@ async def test_unmarked(tokenflow_engine):
     assert len(done.token_ids) == 4
 """
 
-ANYIO_TEST = """
-import pytest
-import sniffio
-
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request):
-    return request.param
-
-@pytest.mark.anyio
-async def test_on_each_backend(tokenflow_anyio_engine, anyio_backend):
-    assert sniffio.current_async_library() == anyio_backend
-    done = await tokenflow_anyio_engine.generate("Hello", max_tokens=4, ignore_eos=True, temperature=0)
-    assert len(done.token_ids) == 4
-    async for chunk in tokenflow_anyio_engine.stream("Hello", max_tokens=3, ignore_eos=True):
-        assert chunk.text is not None
-"""
-
 
 def test_engine_fixture_on_the_default_tiny_model(pytester: pytest.Pytester) -> None:
     """No configuration at all: pytest-asyncio's strict mode, and an unmarked test runs too."""
@@ -47,26 +30,6 @@ def test_engine_fixture_on_the_default_tiny_model(pytester: pytest.Pytester) -> 
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     _assert_fresh_project(result, pytester, "strict")
     result.assert_outcomes(passed=2)
-
-
-def test_the_documented_environment_variable_picks_the_model(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tiny_model: Path
-) -> None:
-    """TOKENFLOW_TEST_MODEL used to make every Engine raise ConfigError (an unknown setting)."""
-    monkeypatch.setenv("TOKENFLOW_TEST_MODEL", str(tiny_model))
-    pytester.makepyfile(ASYNCIO_TEST + """
-def test_the_model_is_the_one_named(tokenflow_model):
-    import os
-    assert tokenflow_model == os.environ["TOKENFLOW_TEST_MODEL"]
-""")
-    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=3)
-
-
-def test_anyio_fixture_runs_on_asyncio_and_trio(pytester: pytest.Pytester, tiny_model: Path) -> None:
-    pytester.makepyfile(ANYIO_TEST)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--tokenflow-model={tiny_model}", "-v")
-    result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["*test_on_each_backend?asyncio? PASSED*", "*test_on_each_backend?trio? PASSED*"])
 
 
 # A fresh app project's suite: no ini file, no markers, its own fixture over ours, and a counter of
@@ -142,15 +105,24 @@ APP_ANYIO_MARKED_TEST = """
 import pytest
 import sniffio
 
-@pytest.fixture
-def anyio_backend():
-    return "trio"
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    return request.param
 
 @pytest.mark.anyio
-async def test_on_trio(tokenflow_anyio_engine):
-    assert sniffio.current_async_library() == "trio"
-    done = await tokenflow_anyio_engine.generate("Hello", max_tokens=4, ignore_eos=True)
+async def test_on_each_backend(tokenflow_anyio_engine, anyio_backend):
+    assert sniffio.current_async_library() == anyio_backend
+    done = await tokenflow_anyio_engine.generate("Hello", max_tokens=4, ignore_eos=True, temperature=0)
     assert len(done.token_ids) == 4
+    async for chunk in tokenflow_anyio_engine.stream("Hello", max_tokens=3, ignore_eos=True):
+        assert chunk.text is not None
+"""
+
+# TOKENFLOW_TEST_MODEL (it used to make every Engine raise ConfigError, an unknown setting)
+MODEL_FROM_THE_ENVIRONMENT_TEST = """
+def test_the_model_is_the_one_named(tokenflow_model):
+    import os
+    assert tokenflow_model == os.environ["TOKENFLOW_TEST_MODEL"]
 """
 
 # anyio's plugin alone, as where pytest-asyncio is not installed (a `-p` plugin makes it unimportable).
@@ -224,19 +196,27 @@ def _assert_fresh_project(result: pytest.RunResult, pytester: pytest.Pytester, a
 
 @pytest.mark.parametrize("asyncio_mode", ["strict", "auto"])
 def test_unmarked_async_tests_run_under_pytest_asyncio(
-    pytester: pytest.Pytester, tiny_model: Path, asyncio_mode: str
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tiny_model: Path, asyncio_mode: str
 ) -> None:
     """An app's `async def` tests that use the engines run without a marker in either mode, and the
-    session engine is one engine on one loop for all of its tests."""
+    session engine is one engine on one loop for all of its tests. Strict mode also runs anyio's tests
+    (on asyncio and trio) beside them; the auto run takes its model from TOKENFLOW_TEST_MODEL."""
     pytester.makeconftest(APP_CONFTEST)
     files = {"test_function_engine": APP_FUNCTION_ENGINE_TESTS, "test_session_engine": APP_SESSION_ENGINE_TESTS}
+    model_flags = [f"--tokenflow-model={tiny_model}"]
     if asyncio_mode == "strict":  # (auto mode claims every async test, anyio's too: pytest-asyncio's rule)
         files["test_anyio_marked"] = APP_ANYIO_MARKED_TEST
+    else:
+        files["test_model_from_the_environment"] = MODEL_FROM_THE_ENVIRONMENT_TEST
+        monkeypatch.setenv("TOKENFLOW_TEST_MODEL", str(tiny_model))
+        model_flags = []
     pytester.makepyfile(**files)
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-o", f"asyncio_mode={asyncio_mode}", f"--tokenflow-model={tiny_model}", "-v")
+        "-p", "no:cacheprovider", "-o", f"asyncio_mode={asyncio_mode}", *model_flags, "-v")
     _assert_fresh_project(result, pytester, asyncio_mode)
-    result.assert_outcomes(passed=7 if asyncio_mode == "strict" else 6)
+    result.assert_outcomes(passed=8 if asyncio_mode == "strict" else 7)
+    if asyncio_mode == "strict":
+        result.stdout.fnmatch_lines(["*test_on_each_backend?asyncio? PASSED*", "*test_on_each_backend?trio? PASSED*"])
     result.stdout.fnmatch_lines([
         "*test_session_engine.py::test_first PASSED*",
         "*test_session_engine.py::test_second PASSED*",
