@@ -25,7 +25,7 @@ from tokenflow.extras import check_installed
 
 __all__ = ("main",)
 
-# (name, type, help): the generation flags of `generate` and `chat`; None means SamplingParams' default
+# (name, type, help): the generation flags of `generate` and `chat`; a flag left out keeps SamplingParams' default
 _SAMPLING_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("max_tokens", int, "tokens to generate at most (default: the engine's default_max_tokens, 128, fewer when the "
                         "context has less room)"),

@@ -13,17 +13,7 @@ from types import ModuleType
 
 from tokenflow.errors import TokenflowError
 
-__all__ = ("EXTRAS", "PLUGIN_DISTRIBUTIONS", "MissingExtra", "check_installed", "install_hint", "require")
-
-# extra -> what it adds (the README's install section and the messages below say the same)
-EXTRAS = {
-    "server": "tokenflow serve, the OpenAI-compatible app, metrics and the dashboard (starlette, uvicorn, "
-              "prometheus-client)",
-    "plot": "--plot on the benchmarks (matplotlib)",
-    "cuda-int8": "quantization='int8' on CUDA (torchao)",
-    "redis": "the Redis KV tier plugin (tokenflow-redis)",
-    "ray": "replicas on Ray Serve (tokenflow-ray)",
-}
+__all__ = ("PLUGIN_DISTRIBUTIONS", "MissingExtra", "check_installed", "install_hint", "require")
 
 # (entry-point group, plugin name) -> the extra whose plugin distribution provides it
 PLUGIN_DISTRIBUTIONS = {
