@@ -30,7 +30,7 @@ def test_products_as_exact_as_torch_for_every_row_count(dtype: torch.dtype, n: i
     calls: list[int] = []
     linear = few_rows_linear(w, b, lambda x: calls.append(x.shape[0]) or F.linear(x, w, b))
     assert linear is not None
-    for m in (1, 2, 5, 6, 7, 13, FEW_ROWS):
+    for m in (1, 2, 5, 6, 7, 12, 13, 16, FEW_ROWS):  # the 6-row tile; bf16 tall passes from 7 to 12
         x = torch.randn(m, k, generator=gen).to(dtype)
         got, torch_out = linear(x), F.linear(x, w, b)
         assert got.shape == (m, n) and got.dtype == dtype
@@ -40,6 +40,26 @@ def test_products_as_exact_as_torch_for_every_row_count(dtype: torch.dtype, n: i
         # fp32: summation order only; bf16: the output's rounding (2^-9) dominates both
         assert err <= max(1.01 * torch_err, 1e-6 if dtype == torch.float32 else 2e-3), (m, err, torch_err)
     assert calls == []  # every row count up to FEW_ROWS ran in the kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_whatever_rows_share_its_product(dtype: torch.dtype) -> None:
+    """Each row's output is bit for bit the same alone and among 2 .. FEW_ROWS rows (the 6-row tile, bf16's tall
+    passes, bias and residual forms alike): a prompt's tokens get the same numbers in any batch."""
+    if dtype not in kernels.dtypes:
+        pytest.skip(f"no {dtype} kernel on this CPU")
+    gen = torch.Generator().manual_seed(11)
+    w = (torch.randn(200, 576, generator=gen) * 0.05).to(dtype)
+    b = torch.randn(200, generator=gen).to(dtype)
+    linear = few_rows_linear(w, b, lambda x: F.linear(x, w, b))
+    assert linear is not None
+    x = torch.randn(FEW_ROWS, 576, generator=gen).to(dtype)
+    residual = torch.randn(FEW_ROWS, 200, generator=gen).to(dtype)
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(FEW_ROWS)])
+    alone_added = torch.cat([linear.add_to(x[i:i + 1], residual[i:i + 1]) for i in range(FEW_ROWS)])
+    for m in (2, 6, 7, 9, 12, 13, 17, FEW_ROWS):
+        assert torch.equal(linear(x[:m]), alone[:m]), m
+        assert torch.equal(linear.add_to(x[:m], residual[:m]), alone_added[:m]), m
 
 
 def test_more_rows_and_other_inputs_take_the_fallback() -> None:

@@ -13,6 +13,11 @@
  * fp32: W packed [n_pad / 16][k][16], one FMA per k and 16 channels.
  * A residual row block may be added as the tile is stored (a layer's `h + o(x)`), saving the separate add.
  * OpenMP splits the panels between torch's threads.
+ * bf16, 7 to 12 rows without AMX (tall_bf16): all the rows in one pass over 32 channels, so that each weight
+ * line is read once for every row while the arithmetic runs, where 6-row passes over a 64-channel panel stream
+ * it in the first and compute from cache in the second, one after the other (8-12 rows: 5-18% faster on an
+ * AVX512-BF16 CPU without AMX; past 12 rows two such passes were 8-11% slower than the 6-row tile's three).
+ * Same sums in the same order per output: bit for bit the 6-row tile's.
  *
  * bf16 on CPUs with AMX (few_rows_linear_tiles): past TILE_MIN_ROWS rows the same packed panels feed AMX
  * tiles (the packing is the tiles' pair layout), up to 16 rows x 64 channels per pass; the register tile's
@@ -188,6 +193,68 @@ static inline __attribute__((always_inline)) void tile_bf16(const int mr, const 
     store_tile(mr, acc, bias, n, n0, residual, out, out_bf16);
 }
 
+/* Rows 0 .. R (7 .. 12) of the two 16-channel sub-panels s0, s0 + 1 in one pass: each weight line is read once
+ * for all the rows while their 2 R accumulators take its products. */
+static inline __attribute__((always_inline)) void tall_bf16(const int R, const uint16_t *x, int64_t k,
+                                                            const uint16_t *w, const float *bias, int64_t n,
+                                                            int64_t s0, const uint16_t *residual, int out_bf16,
+                                                            void *out)
+{
+    enum { V = 2 };
+    __m512 acc[12][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v)
+            acc[r][v] = _mm512_setzero_ps();
+    const int64_t k2 = k / 2;
+    const uint16_t *sub = w + s0 * k2 * 32;
+    for (int64_t j = 0; j < k2; ++j) {
+        __m512bh wv[2];
+        for (int v = 0; v < V; ++v) {
+            __builtin_prefetch(sub + (v * k2 + j + STREAM_AHEAD) * 32, 0, 2);
+            wv[v] = (__m512bh)_mm512_loadu_si512(sub + (v * k2 + j) * 32);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            memcpy(&pair, x + r * k + 2 * j, 4);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int v = 0; v < V; ++v)
+                acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
+        }
+    }
+    for (int v = 0; v < V; ++v) {
+        const int64_t c = 16 * (s0 + v);
+        if (c >= n)
+            break;
+        const __mmask16 mask = n - c >= 16 ? 0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r)
+            store_vector(_mm512_add_ps(acc[r][v], b), mask, residual, out, r * n + c, out_bf16);
+    }
+}
+
+/* The bf16 product of 7 .. 12 rows by tall_bf16's passes, OpenMP over the pairs of sub-panels. */
+static void tall_product(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, const float *bias, int64_t n,
+                         int64_t n_pad, const uint16_t *residual, int out_bf16, void *out)
+{
+    const int64_t pairs = n_pad / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < pairs; ++g) {
+#define TALL(R) tall_bf16(R, x, k, w, bias, n, 2 * g, residual, out_bf16, out)
+        switch (m) {
+        case 7: TALL(7); break;
+        case 8: TALL(8); break;
+        case 9: TALL(9); break;
+        case 10: TALL(10); break;
+        case 11: TALL(11); break;
+        default: TALL(12); break;
+        }
+#undef TALL
+    }
+}
+
 #endif
 
 
@@ -288,6 +355,12 @@ static int product(const void *x, int bf16, int64_t m, int64_t k, const void *w,
     }
 #else
     (void)tiles;
+#endif
+#if defined(__AVX512BF16__)
+    if (bf16 && m > MR && m <= 12) {
+        tall_product(x, m, k, w, bias, n, n_pad, residual, !out_f32, out);
+        return 0;
+    }
 #endif
     const int64_t panels = n_pad / NR, blocks = (m + MR - 1) / MR;
     const int64_t panel_bytes = k * NR * (bf16 ? 2 : 4), panel_lines = panel_bytes / 64, later = m - MR;
