@@ -13,10 +13,10 @@
  * fp32: W packed [n_pad / 16][k][16], one FMA per k and 16 channels.
  * A residual row block may be added as the tile is stored (a layer's `h + o(x)`), saving the separate add.
  * OpenMP splits the panels between torch's threads.
- * bf16, 7 to 12 rows without AMX (tall_bf16): all the rows in one pass over 32 channels, so that each weight
- * line is read once for every row while the arithmetic runs, where 6-row passes over a 64-channel panel stream
- * it in the first and compute from cache in the second, one after the other (8-12 rows: 5-18% faster on an
- * AVX512-BF16 CPU without AMX; past 12 rows two such passes were 8-11% slower than the 6-row tile's three).
+ * bf16, 7 to 12 rows off the AMX tiles (tall_bf16): all the rows in one pass over 32 channels, so that each
+ * weight line is read once for every row while the arithmetic runs, where 6-row passes over a 64-channel panel
+ * stream it in the first and compute from cache in the second, one after the other (faster on an AVX512-BF16
+ * CPU without AMX; past 12 rows, two such passes were slower than the 6-row tile's three: docs/benchmarks.md).
  * Same sums in the same order per output: bit for bit the 6-row tile's.
  *
  * bf16 on CPUs with AMX (few_rows_linear_tiles): past TILE_MIN_ROWS rows the same packed panels feed AMX
