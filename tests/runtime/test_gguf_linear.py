@@ -86,9 +86,10 @@ def test_few_rows_products_as_exact_as_torch(format: int, dtype: torch.dtype, fl
         assert err <= max(1.01 * torch_err, 1e-6 if dtype == torch.float32 else 3e-3), (m, err, torch_err)
 
 
-def int8_rows_reference(x: torch.Tensor) -> torch.Tensor:
-    """x's rows as the int8 path sees them: per 256 values, q = round(x * 127 / max|x|), then q * max|x| / 127."""
-    blocks = x.float().reshape(x.shape[0], -1, 256)
+def int8_rows_reference(x: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """x's rows as the int8 path sees them: per `block` values (256 for the K-quants as Q8_K, 32 for Q8_0),
+    q = round(x * 127 / max|x|), then q * max|x| / 127."""
+    blocks = x.float().reshape(x.shape[0], -1, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inverse)
@@ -96,13 +97,14 @@ def int8_rows_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(kernels is None or not kernels.has_int8_rows, reason="the int8 rows need AVX512-VNNI")
-@pytest.mark.parametrize("format", [int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q6_K)],
-                         ids=["Q4_K", "Q6_K"])
-def test_bf16_rows_against_k_quants_run_in_int8(format: int) -> None:
-    """Up to 16 bf16 rows against Q4_K / Q6_K: the rows quantised to int8 per 256 values (llama.cpp's Q8_K), the
-    products exact on those values (but for fp32 sums and the bf16 output), within 1.5% of the bf16 rows' own; more
-    rows and fp32 rows keep the float tiles."""
+@pytest.mark.parametrize("format", [int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q6_K),
+                                    int(GGMLQuantizationType.Q8_0)], ids=["Q4_K", "Q6_K", "Q8_0"])
+def test_bf16_rows_against_k_quants_and_q8_0_run_in_int8(format: int) -> None:
+    """Up to 16 bf16 rows against Q4_K / Q6_K / Q8_0: the rows quantised to int8 as llama.cpp does for each (per 256
+    values, Q8_K; per 32, Q8_0), the products exact on those values (but for fp32 sums and the bf16 output), within
+    1.5% of the bf16 rows' own; more rows and fp32 rows keep the float tiles."""
     n, k = 37, 1024
+    block = 32 if format == GGMLQuantizationType.Q8_0 else 256
     weight = random_blocks(format, n, k, seed=format + 7)
     dense = reference(weight).double()
     gen = torch.Generator().manual_seed(format)
@@ -113,7 +115,7 @@ def test_bf16_rows_against_k_quants_run_in_int8(format: int) -> None:
         assert kernels.few_rows(x, weight, out)
         exact = x.double() @ dense.T
         err = ((out.double() - exact).norm() / exact.norm()).item()
-        on_int8 = ((out.double() - int8_rows_reference(x) @ dense.T).norm() / exact.norm()).item()
+        on_int8 = ((out.double() - int8_rows_reference(x, block) @ dense.T).norm() / exact.norm()).item()
         if m <= 16:
             assert on_int8 < 3e-3 and 1e-3 < err < 1.5e-2, (m, on_int8, err)  # int8 rows: their own rounding
         else:

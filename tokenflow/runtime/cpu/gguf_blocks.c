@@ -10,8 +10,8 @@
  * - gguf_few_rows: y = x W^T for the few rows of a decode step. Threads split the weight rows four at a time;
  *   up to four input rows, the four weight rows' blocks are dequantised 16 values at a time in registers and
  *   multiplied as they come (16 accumulators); more input rows, each chunk of the weight rows is dequantised once
- *   into an L1 buffer and groups of four input rows run over it. bf16 rows (up to 16) against Q4_K and Q6_K go
- *   through int8 and VNNI instead (vnni_tile).
+ *   into an L1 buffer and groups of four input rows run over it. bf16 rows (up to 16) against Q4_K, Q6_K and Q8_0 go
+ *   through int8 and VNNI instead (vnni_tile, vnni_q8_tile).
  *
  * Formats follow ggml's reference dequantisation (ggml-quants.c): value = d * q (+ offsets) per block, with
  * the K-quants' 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales.
@@ -660,6 +660,87 @@ static inline __attribute__((always_inline)) void vnni_tile(const int format, co
     store_sums(xr, wr, acc, out, ldo, 1);
 }
 
+/* Q8_0 weights against bf16 rows in int8 (llama.cpp's Q8_0 x Q8_0 dot): each row quantised per 32 values (one scale
+ * each: d = max|x| / 127), stored 64 values at a time as unsigned codes q + 128 beside their two scales spread over
+ * the lanes that read them; VNNI multiplies them by the weight's signed codes, and 128 times the weight's code sums
+ * (a VNNI product with ones) is taken off the exact int32 sums before both scales apply. */
+typedef struct {
+    float scales[16]; /* lanes 0..7: the first 32 values' d, 8..15: the second 32's */
+    uint8_t q[64];    /* q + 128 */
+} QuantizedX64;
+
+static void quantize_row_q8(const uint16_t *x, int64_t k, QuantizedX64 *out)
+{
+    for (int64_t c = 0; c < k / 64; ++c)
+        for (int half = 0; half < 2; ++half) {
+            float v[32], amax = 0.f;
+            for (int i = 0; i < 32; ++i) {
+                v[i] = bf16_to_float(x[64 * c + 32 * half + i]);
+                const float a = v[i] < 0 ? -v[i] : v[i];
+                amax = a > amax ? a : amax;
+            }
+            const float d = amax / 127.f, inverse = amax > 0 ? 127.f / amax : 0.f;
+            for (int i = 0; i < 8; ++i)
+                out[c].scales[8 * half + i] = d;
+            for (int i = 0; i < 32; ++i)
+                out[c].q[32 * half + i] = (uint8_t)((int)__builtin_lrintf(v[i] * inverse) + 128);
+        }
+}
+
+/* xr quantised rows (k / 64 chunks each) times Q8_0 weight rows 0 .. wr starting at `w` (34-byte blocks). */
+static inline __attribute__((always_inline)) void vnni_q8_tile(const int xr, const int wr, const QuantizedX64 *x,
+                                                               const uint8_t *w, int64_t row_bytes, int64_t k,
+                                                               void *out, int64_t ldo)
+{
+    const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+    const int64_t chunks = k / 64;
+    __m512 acc[XR][WR];
+    for (int i = 0; i < XR; ++i)
+        for (int c = 0; c < WR; ++c)
+            acc[i][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < chunks; ++j) {
+        for (int c = 0; c < wr; ++c) {
+            const uint8_t *b = w + c * row_bytes + j * 68; /* two blocks: 2 bytes of scale, 32 codes, twice */
+            __builtin_prefetch(b + AHEAD, 0, 0);
+            __builtin_prefetch(b + AHEAD + 64, 0, 0);
+            const __m512i codes = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
+                _mm256_loadu_si256((const __m256i *)(b + 36)), 1);
+            const __m512i offset = _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, ones, codes), 7);
+            const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(half_at(b)), _mm256_set1_ps(half_at(b + 34)), 1);
+            for (int i = 0; i < xr; ++i) {
+                const QuantizedX64 *xc = x + i * chunks + j;
+                const __m512i dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(xc->q), codes),
+                                                     offset);
+                acc[i][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                            _mm512_mul_ps(scale, _mm512_loadu_ps(xc->scales)), acc[i][c]);
+            }
+        }
+    }
+    store_sums(xr, wr, acc, out, ldo, 1);
+}
+
+static void vnni_Q8_0(int64_t m, int wr, const float *x, const uint8_t *w, int64_t row_bytes, int64_t k, void *out,
+                      int64_t ldo, int bf16)
+{
+    (void)bf16; /* bf16 rows only */
+    for (int64_t i = 0; i < m; i += XR) {
+        const QuantizedX64 *rows = (const QuantizedX64 *)x + i * (k / 64);
+        uint16_t *to = (uint16_t *)out + i * ldo;
+        const int64_t xr = m - i < XR ? m - i : XR;
+        if (wr == WR) {
+            switch (xr) {
+            case 4: vnni_q8_tile(4, 4, rows, w, row_bytes, k, to, ldo); continue;
+            case 3: vnni_q8_tile(3, 4, rows, w, row_bytes, k, to, ldo); continue;
+            case 2: vnni_q8_tile(2, 4, rows, w, row_bytes, k, to, ldo); continue;
+            default: vnni_q8_tile(1, 4, rows, w, row_bytes, k, to, ldo); continue;
+            }
+        }
+        for (int c = 0; c < wr; ++c) /* the weight's last rows, one at a time */
+            vnni_q8_tile((int)xr, 1, rows, w + c * row_bytes, row_bytes, k, to + c, ldo);
+    }
+}
+
 /* vnni_tile for one format in TileRows' form (x: the quantised rows), xr and wr known at compile time where they are
  * the common ones; more than XR rows go in groups of XR over the same weight rows (in L1 after the first). */
 #define VNNI_ROWS_OF(F)                                                                                             \
@@ -720,6 +801,11 @@ int gguf_few_rows(int format, const uint8_t *w, int64_t row_bytes, int64_t n, in
         for (int64_t i = 0; i < m; ++i)
             quantize_row(format, (const uint16_t *)x + i * k, k, (QuantizedX *)scratch + i * (k / QK));
         tile = format == Q4_K ? vnni_Q4_K : vnni_Q6_K;
+    }
+    if (x_bf16 && format == Q8_0 && k % 64 == 0 && m <= VNNI_ROWS && int8_rows) { /* 2 bytes of scratch a value */
+        for (int64_t i = 0; i < m; ++i)
+            quantize_row_q8((const uint16_t *)x + i * k, k, (QuantizedX64 *)scratch + i * (k / 64));
+        tile = vnni_Q8_0;
     }
 #endif
     if (tile == tile_rows) /* the rows in fp32 */

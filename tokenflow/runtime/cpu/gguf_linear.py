@@ -90,15 +90,15 @@ class GGUFKernels:
         library.gguf_few_rows_available.restype = ctypes.c_int
         library.gguf_int8_rows_available.restype = ctypes.c_int
         self.has_few_rows = bool(library.gguf_few_rows_available())
-        # up to 16 bf16 rows against Q4_K / Q6_K: the rows quantised to int8 and multiplied by VNNI (llama.cpp's
-        # arithmetic and rounding); False: the float tiles (the product as exact as torch's)
+        # up to 16 bf16 rows against Q4_K / Q6_K / Q8_0: the rows quantised to int8 and multiplied by VNNI
+        # (llama.cpp's arithmetic and rounding); False: the float tiles (the product as exact as torch's)
         self.has_int8_rows = bool(library.gguf_int8_rows_available())
         self._thread = threading.local()
 
     @property
     def int8_rows(self) -> bool:
-        """Whether this thread's products of up to 16 bf16 rows against Q4_K / Q6_K run in int8 (default: where the
-        CPU can; the fused layers keep them to decode-only steps)."""
+        """Whether this thread's products of up to 16 bf16 rows against Q4_K / Q6_K / Q8_0 run in int8 (default:
+        where the CPU can; the fused layers keep them to decode-only steps)."""
         return bool(getattr(self._thread, "int8_rows", self.has_int8_rows))
 
     @int8_rows.setter
