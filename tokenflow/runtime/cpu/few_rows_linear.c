@@ -160,6 +160,14 @@ static inline __attribute__((always_inline)) void tile_f32(const int mr, const f
 }
 
 #if defined(__AVX512BF16__)
+/* Row r's inputs 2 j and 2 j + 1 (bf16, rows k apart) broadcast as one vdpbf16ps operand. */
+static inline __attribute__((always_inline)) __m512bh input_pair(const uint16_t *x, int64_t k, int r, int64_t j)
+{
+    int32_t pair;
+    memcpy(&pair, x + r * k + 2 * j, 4);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+
 static inline __attribute__((always_inline)) void tile_bf16(const int mr, const uint16_t *x, int64_t k,
                                                             const uint16_t *w, const float *bias, int64_t n,
                                                             int64_t n0, const uint16_t *residual, Ahead ahead,
@@ -183,9 +191,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const int mr, const 
             wv[h] = (__m512bh)_mm512_loadu_si512(panel + (h * k2 + j) * 32);
 #pragma GCC unroll 6
         for (int r = 0; r < mr; ++r) {
-            int32_t pair;
-            memcpy(&pair, x + r * k + 2 * j, 4);
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            const __m512bh xv = input_pair(x, k, r, j);
             for (int h = 0; h < NV; ++h)
                 acc[r][h] = _mm512_dpbf16_ps(acc[r][h], xv, wv[h]);
         }
@@ -216,9 +222,7 @@ static inline __attribute__((always_inline)) void tall_bf16(const int R, const u
         }
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-            int32_t pair;
-            memcpy(&pair, x + r * k + 2 * j, 4);
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            const __m512bh xv = input_pair(x, k, r, j);
             for (int v = 0; v < V; ++v)
                 acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
         }
