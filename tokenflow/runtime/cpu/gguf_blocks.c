@@ -527,20 +527,27 @@ typedef struct {
 /* Row x (k values, bf16) into k / QK blocks at `out`. Q4_K reads 128 values as two 64-byte vectors of codes: the
  * low nibbles of bytes 0..63 are values 0..31 and 64..95, the high ones 32..63 and 96..127, so its q holds each
  * 128 values in that order; Q6_K reads them in order. */
+/* n bf16 values into int8 codes q = round(x * 127 / max|x|); returns their scale d = max|x| / 127. */
+static float quantize_values(const uint16_t *x, int n, int8_t *q)
+{
+    float v[QK], amax = 0.f;
+    for (int i = 0; i < n; ++i) {
+        v[i] = bf16_to_float(x[i]);
+        const float a = v[i] < 0 ? -v[i] : v[i];
+        amax = a > amax ? a : amax;
+    }
+    const float inverse = amax > 0 ? 127.f / amax : 0.f;
+    for (int i = 0; i < n; ++i)
+        q[i] = (int8_t)__builtin_lrintf(v[i] * inverse);
+    return amax / 127.f;
+}
+
 static void quantize_row(const int format, const uint16_t *x, int64_t k, QuantizedX *out)
 {
     for (int64_t b = 0; b < k / QK; ++b) {
-        float v[QK], amax = 0.f;
-        for (int i = 0; i < QK; ++i) {
-            v[i] = bf16_to_float(x[b * QK + i]);
-            const float a = v[i] < 0 ? -v[i] : v[i];
-            amax = a > amax ? a : amax;
-        }
         QuantizedX *block = out + b;
-        const float d = amax / 127.f, inverse = amax > 0 ? 127.f / amax : 0.f;
         int8_t q[QK];
-        for (int i = 0; i < QK; ++i)
-            q[i] = (int8_t)__builtin_lrintf(v[i] * inverse);
+        const float d = quantize_values(x + b * QK, QK, q);
         const int group = format == Q4_K ? 32 : 16;
         for (int s = 0; s < QK / group; ++s) {
             int sum = 0;
@@ -673,17 +680,12 @@ static void quantize_row_q8(const uint16_t *x, int64_t k, QuantizedX64 *out)
 {
     for (int64_t c = 0; c < k / 64; ++c)
         for (int half = 0; half < 2; ++half) {
-            float v[32], amax = 0.f;
-            for (int i = 0; i < 32; ++i) {
-                v[i] = bf16_to_float(x[64 * c + 32 * half + i]);
-                const float a = v[i] < 0 ? -v[i] : v[i];
-                amax = a > amax ? a : amax;
-            }
-            const float d = amax / 127.f, inverse = amax > 0 ? 127.f / amax : 0.f;
+            int8_t q[32];
+            const float d = quantize_values(x + 64 * c + 32 * half, 32, q);
             for (int i = 0; i < 8; ++i)
                 out[c].scales[8 * half + i] = d;
             for (int i = 0; i < 32; ++i)
-                out[c].q[32 * half + i] = (uint8_t)((int)__builtin_lrintf(v[i] * inverse) + 128);
+                out[c].q[32 * half + i] = (uint8_t)(q[i] + 128);
         }
 }
 
@@ -720,52 +722,37 @@ static inline __attribute__((always_inline)) void vnni_q8_tile(const int xr, con
     store_sums(xr, wr, acc, out, ldo, 1);
 }
 
-static void vnni_Q8_0(int64_t m, int wr, const float *x, const uint8_t *w, int64_t row_bytes, int64_t k, void *out,
-                      int64_t ldo, int bf16)
-{
-    (void)bf16; /* bf16 rows only */
-    for (int64_t i = 0; i < m; i += XR) {
-        const QuantizedX64 *rows = (const QuantizedX64 *)x + i * (k / 64);
-        uint16_t *to = (uint16_t *)out + i * ldo;
-        const int64_t xr = m - i < XR ? m - i : XR;
-        if (wr == WR) {
-            switch (xr) {
-            case 4: vnni_q8_tile(4, 4, rows, w, row_bytes, k, to, ldo); continue;
-            case 3: vnni_q8_tile(3, 4, rows, w, row_bytes, k, to, ldo); continue;
-            case 2: vnni_q8_tile(2, 4, rows, w, row_bytes, k, to, ldo); continue;
-            default: vnni_q8_tile(1, 4, rows, w, row_bytes, k, to, ldo); continue;
-            }
-        }
-        for (int c = 0; c < wr; ++c) /* the weight's last rows, one at a time */
-            vnni_q8_tile((int)xr, 1, rows, w + c * row_bytes, row_bytes, k, to + c, ldo);
-    }
-}
-
-/* vnni_tile for one format in TileRows' form (x: the quantised rows), xr and wr known at compile time where they are
- * the common ones; more than XR rows go in groups of XR over the same weight rows (in L1 after the first). */
-#define VNNI_ROWS_OF(F)                                                                                             \
-    static void vnni_##F(int64_t m, int wr, const float *x, const uint8_t *w, int64_t row_bytes, int64_t k,        \
-                         void *out, int64_t ldo, int bf16)                                                          \
+/* A VNNI tile in TileRows' form (x: the quantised rows, ROW structs of VALUES values), xr and wr known at compile
+ * time where they are the common ones; more than XR rows go in groups of XR over the same weight rows (in L1 after
+ * the first). TILE(xr, wr, rows, w, row_bytes, k, out, ldo) calls the tile. */
+#define VNNI_ROWS_OF(NAME, ROW, VALUES, TILE)                                                                       \
+    static void NAME(int64_t m, int wr, const float *x, const uint8_t *w, int64_t row_bytes, int64_t k, void *out,  \
+                     int64_t ldo, int bf16)                                                                         \
     {                                                                                                               \
         (void)bf16; /* bf16 rows only */                                                                            \
         for (int64_t i = 0; i < m; i += XR) {                                                                       \
-            const QuantizedX *rows = (const QuantizedX *)x + i * (k / QK);                                          \
+            const ROW *rows = (const ROW *)x + i * (k / VALUES);                                                    \
             uint16_t *to = (uint16_t *)out + i * ldo;                                                               \
             const int64_t xr = m - i < XR ? m - i : XR;                                                             \
             if (wr == WR) {                                                                                         \
                 switch (xr) {                                                                                       \
-                case 4: vnni_tile(F, 4, 4, rows, w, row_bytes, k, to, ldo); continue;                               \
-                case 3: vnni_tile(F, 3, 4, rows, w, row_bytes, k, to, ldo); continue;                               \
-                case 2: vnni_tile(F, 2, 4, rows, w, row_bytes, k, to, ldo); continue;                               \
-                default: vnni_tile(F, 1, 4, rows, w, row_bytes, k, to, ldo); continue;                              \
+                case 4: TILE(4, 4, rows, w, row_bytes, k, to, ldo); continue;                                       \
+                case 3: TILE(3, 4, rows, w, row_bytes, k, to, ldo); continue;                                       \
+                case 2: TILE(2, 4, rows, w, row_bytes, k, to, ldo); continue;                                       \
+                default: TILE(1, 4, rows, w, row_bytes, k, to, ldo); continue;                                      \
                 }                                                                                                   \
             }                                                                                                       \
             for (int c = 0; c < wr; ++c) /* the weight's last rows, one at a time */                                \
-                vnni_tile(F, (int)xr, 1, rows, w + c * row_bytes, row_bytes, k, to + c, ldo);                       \
+                TILE((int)xr, 1, rows, w + c * row_bytes, row_bytes, k, to + c, ldo);                               \
         }                                                                                                           \
     }
-VNNI_ROWS_OF(Q4_K)
-VNNI_ROWS_OF(Q6_K)
+#define TILE_Q4_K(...) vnni_tile(Q4_K, __VA_ARGS__)
+#define TILE_Q6_K(...) vnni_tile(Q6_K, __VA_ARGS__)
+VNNI_ROWS_OF(vnni_Q4_K, QuantizedX, QK, TILE_Q4_K)
+VNNI_ROWS_OF(vnni_Q6_K, QuantizedX, QK, TILE_Q6_K)
+VNNI_ROWS_OF(vnni_Q8_0, QuantizedX64, 64, vnni_q8_tile)
+#undef TILE_Q4_K
+#undef TILE_Q6_K
 #undef VNNI_ROWS_OF
 #endif
 #endif
