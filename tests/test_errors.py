@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import anyio
 import pytest
 
@@ -77,8 +80,18 @@ async def test_request_that_can_never_fit_the_pool(tiny_model) -> None:
 
 
 async def test_deadline_exceeded_frees_the_request(engine: Engine) -> None:
+    """Each step is held 5 ms, so 60 tokens take 0.3 s whatever the CPU: the 0.05 s deadline falls mid-decode."""
+    backend = engine._loop.backend
+    real = backend.execute
+
+    def held(plan: Any) -> Any:
+        time.sleep(0.005)
+        return real(plan)
+
+    backend.execute = held
     with pytest.raises(DeadlineExceeded):
-        await engine.generate("slow", max_tokens=60, temperature=0.0, ignore_eos=True, timeout=0.02)
+        await engine.generate("slow", max_tokens=60, temperature=0.0, ignore_eos=True, timeout=0.05)
+    backend.execute = real
     with anyio.fail_after(5):
         while engine.stats()["num_running"] or engine.stats()["kv_blocks_used"]:
             await anyio.sleep(0.01)
