@@ -574,7 +574,7 @@ class Engine:
             request.constraint = await anyio.to_thread.run_sync(self.grammars.matcher, request.params)
         self.output.prepare(request)
         if request.params.seed is not None:
-            request.generator = make_generator(request.params.seed, self.loaded.device)
+            request.generator = make_generator(request.params.seed)  # on the host: uniforms are staged, never read back
         self._loop.add(request)
 
     async def generate_many(self, prompt: Prompt, n: int, params: SamplingParams | None = None,

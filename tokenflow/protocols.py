@@ -27,6 +27,7 @@ __all__ = (
     "CompressJob",
     "CompressingBackend",
     "DeviceOutOfMemory",
+    "DeviceTokens",
     "EmbeddingBackend",
     "EngineContext",
     "EngineObserver",
@@ -218,6 +219,14 @@ class GreedyTokens:
     token_ids: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceTokens:
+    """A step's tokens drawn on the model's device with each row's own parameters and uniform
+    (`runtime.device_sampler`), so only the ids came back; -1 where the row's logits were not finite."""
+
+    token_ids: list[int]
+
+
 @dataclass
 class StepOutput:
     """What the model thread returns for a step: one sampled token per sampling chunk, and for each
@@ -329,12 +338,13 @@ class StepBackend(ModelBackend, Protocol):
     order: one row each, plus, for a chunk with a `draft`, one row per draft token (the logits after
     it), so that the scheduler can verify the draft. For a plan that reads nothing of its logits but each
     row's argmax (`tokenflow.runtime.sampler.argmax_only`) it may return the rows' tokens instead
-    (`GreedyTokens`). Optional: `warmup_batch_sizes() -> list[int]`.
+    (`GreedyTokens`), and for a plan whose rows the device sampler takes (`device_sampler.device_rows`), the
+    tokens drawn on the device (`DeviceTokens`). Optional: `warmup_batch_sizes() -> list[int]`.
     """
 
     static: bool
 
-    def execute(self, plan: StepPlan) -> torch.Tensor | GreedyTokens: ...
+    def execute(self, plan: StepPlan) -> torch.Tensor | GreedyTokens | DeviceTokens: ...
 
 
 class StaticBackend(ModelBackend, Protocol):

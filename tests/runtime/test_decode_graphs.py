@@ -14,8 +14,12 @@ import torch
 from tests.runtime.test_paged_runner import BLOCK, Seq, build, reference_logits
 from tokenflow.kv.block_pool import BlockPool
 from tokenflow.kv.kv_cache import KVCache
+from tokenflow.params import SamplingParams
+from tokenflow.protocols import DeviceTokens
 from tokenflow.runtime.decode_graphs import MIN_CONTEXT_BLOCKS, DecodeGraphs, context_buckets
+from tokenflow.runtime.device_sampler import variant_of
 from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
+from tokenflow.runtime.sampler import Sampler, SamplingRow, make_generator
 
 
 def test_context_buckets() -> None:
@@ -31,7 +35,7 @@ def _runner(name: str = "llama", num_blocks: int = 96) -> tuple[PagedModelRunner
     runner = PagedModelRunner(model, cache)
     assert runner.fused is not None
     runner.graphs = DecodeGraphs(runner.fused, cache, batch_sizes=[1, 2, 4, 8], max_model_len=512,
-                                 scratch_block=num_blocks, capture=False, attention=runner.attention)
+                                 scratch_block=num_blocks, capture=False, attention=runner.attention, vocab_size=256)
     return runner, BlockPool(num_blocks, BLOCK), ref
 
 
@@ -92,3 +96,42 @@ def test_steps_that_do_not_fit_take_the_dynamic_path() -> None:
     assert not graphs.fits([SeqChunk([1], 3, [0], False)])  # not sampled
     assert not graphs.fits([SeqChunk([1], 600, list(range(151)), True)])  # past max_model_len
     assert not graphs.fits([SeqChunk([1], 3, [0], True)] * 9)  # more rows than the largest bucket
+
+
+def test_device_sampled_steps_draw_what_the_host_sampler_draws_from_their_logits() -> None:
+    """Each decode step runs twice (the second writes the same K/V again): once handing its logits to the
+    host sampler, once drawing on the device with generators seeded alike. Every row's token is the same,
+    through padding (5 rows in the 8-row bucket) and all three sampling variants."""
+    runner, pool, _ = _runner()
+    graphs = runner.graphs
+    assert graphs is not None
+    drawn = [dict(temperature=0.8), dict(temperature=1.0, top_p=0.9), dict(temperature=1.3, top_k=5, min_p=0.05)]
+    kinds_of_step = [  # greedy only, whole-distribution draws, top_k / top_p draws
+        [dict(temperature=0.0)] * 5, [dict(temperature=0.0), drawn[0], drawn[0], dict(temperature=0.0), drawn[0]],
+        [dict(temperature=0.0), *drawn, drawn[0]],
+    ]
+
+    def rows(step: int) -> list[SamplingRow]:
+        kinds = kinds_of_step[step % 3]
+        return [SamplingRow(SamplingParams(**k), [], [], make_generator(1000 * step + j)) for j, k in enumerate(kinds)]
+
+    host = Sampler(256, eos_token_ids=[0])
+    seqs = [Seq(list(range(3 + 9 * i, 12 + 11 * i))) for i in range(5)]
+    runner.execute([s.chunk(pool, 64) for s in seqs])
+    for s in seqs:
+        s.tokens.append(5)
+    variants = set()
+    for step in range(24):
+        chunks = [s.chunk(pool, 1) for s in seqs]
+        logits = runner.execute(chunks)
+        assert isinstance(logits, torch.Tensor)
+        expected = host.sample(logits, rows(step))
+        sampling = rows(step)
+        variants.add(variant_of(sampling, 256))
+        got = runner.execute(chunks, sampling=sampling)
+        assert isinstance(got, DeviceTokens)
+        assert got.token_ids == expected.token_ids, f"step {step}"
+        for s, token in zip(seqs, got.token_ids):
+            s.tokens.append(token)
+    assert variants == {"greedy", "random", "truncated"}
+    assert graphs.num_device_sampled == 24 and graphs.num_steps == 48

@@ -487,7 +487,7 @@ def test_degenerate_parameters_fail_their_row_as_the_callers_fault() -> None:
 
 def test_an_out_of_vocabulary_draw_is_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     """The last guard: whatever the draw returns, an id past the vocabulary never leaves the sampler."""
-    monkeypatch.setattr(sampler_mod, "_inverse_cdf", lambda logits, u, scratch: torch.full_like(u, SMALL).long())
+    monkeypatch.setattr(sampler_mod, "inverse_cdf", lambda logits, u, scratch: torch.full_like(u, SMALL).long())
     logits = torch.randn(2, SMALL)
     out = Sampler(SMALL, [EOS]).sample(logits, [row(temperature=1.0), row(temperature=0.0)])
     assert set(out.failed) == {0}

@@ -13,8 +13,14 @@ A graph replays fixed shapes on fixed buffers, so each step is padded to a bucke
 A step's inputs (token, position, slot, length and block table of each row) are packed on the host
 into one pinned buffer and copied to the device in one transfer; the graph reads them from there.
 
-Every (batch, context) bucket is captured at start, largest first, into one shared memory pool
-(graphs of one engine never run at the same time). Graphs point at the KV cache's tensors, so the
+When every row of a step can be sampled on the device (`device_sampler.device_rows`), the graph also
+draws the tokens (`DeviceSampler`, whose parameters and uniforms are staged the same way) and only the
+rows' token ids come back, not `[rows, vocab]` logits. Each (batch, context) bucket then has a graph per
+sampling variant: "logits" (the host samples), "greedy", "random", "truncated" (top_k / top_p).
+
+Every (batch, context) bucket's "logits" graph is captured at start, largest first, into one shared
+memory pool (graphs of one engine never run at the same time); a sampling variant's when a step first
+needs it. Graphs point at the KV cache's tensors, so the
 backend drops them (`release`) before an out-of-memory shrink replaces those tensors; each bucket is
 then captured again when a step first needs it, and out of memory while capturing turns graphs off.
 With `capture=False` the same fixed-shape path runs eagerly: that is how the CPU tests check its
@@ -26,24 +32,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from tokenflow.kv.kv_cache import KVCache
+from tokenflow.protocols import DeviceTokens
 from tokenflow.runtime.attention.layer import LayerAttention
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, sdpa_backends
 from tokenflow.runtime.attention.static_decode import StaticDecode
+from tokenflow.runtime.device_sampler import DeviceSampler, Variant, variant_of
 
 if TYPE_CHECKING:
     from tokenflow.runtime.fused_layers import FusedDecoder
     from tokenflow.runtime.paged_runner import SeqChunk
+    from tokenflow.runtime.sampler import SamplingRow
 
 __all__ = ("MIN_CONTEXT_BLOCKS", "DecodeGraphs", "context_buckets")
 
 log = logging.getLogger("tokenflow")
 
 MIN_CONTEXT_BLOCKS = 8  # the smallest context bucket: shorter contexts share one graph
+StepKind = Variant | Literal["logits"]  # what a graph returns: logits, or tokens drawn with that variant
 
 
 def context_buckets(max_blocks: int) -> list[int]:
@@ -64,7 +74,7 @@ class DecodeGraphs:
 
     def __init__(
         self, decoder: FusedDecoder, kv_cache: KVCache, *, batch_sizes: list[int], max_model_len: int,
-        scratch_block: int, capture: bool, attention: LayerAttention,
+        scratch_block: int, capture: bool, attention: LayerAttention, vocab_size: int,
     ) -> None:
         self.decoder = decoder
         self.attention = attention  # the runner's (KV write + the fixed-shape decode)
@@ -87,11 +97,13 @@ class DecodeGraphs:
         self.table = self._device[4 * rows:].view(rows, blocks)
         self.rows = torch.arange(rows, device=device)
         self.key_positions = torch.arange(blocks * self.block_size, device=device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self.sampler = DeviceSampler(rows, vocab_size, device)
+        self._graphs: dict[tuple[int, int, StepKind], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self._pool: tuple[int, int] | None = None  # one memory pool shared by every graph
         self.capture_disabled_by_oom = False
         self.capture_seconds = 0.0
         self.num_steps = 0  # steps run at fixed shapes (replayed, or eager without graphs)
+        self.num_device_sampled = 0  # of those, steps whose tokens were drawn on the device
 
     # ----------------------------------------------------------------- step
     def fits(self, chunks: Sequence[SeqChunk]) -> bool:
@@ -101,22 +113,31 @@ class DecodeGraphs:
         limit = self.max_blocks * self.block_size
         return all(len(c.token_ids) == 1 and c.sample and c.num_logits == 1 and c.start_pos < limit for c in chunks)
 
-    def run(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """float32 logits `[len(chunks), vocab]` on the CPU, of a step that `fits`. After the KV cache
-        changed (`release`), each bucket is captured again when a step first needs it."""
+    def run(self, chunks: Sequence[SeqChunk], sampling: Sequence[SamplingRow] | None = None
+            ) -> torch.Tensor | DeviceTokens:
+        """float32 logits `[len(chunks), vocab]` on the CPU, of a step that `fits`; with `sampling` (chunk
+        i's row is `sampling[i]`, each `device_samplable`), the rows' tokens drawn on the device instead.
+        After the KV cache changed (`release`), each bucket is captured again when a step first needs it."""
         n = len(chunks)
         rows = _bucket(n, self.batch_sizes)
         blocks = _bucket(max(-(-(c.start_pos + 1) // self.block_size) for c in chunks), self.context_sizes)
-        if self.capture and (rows, blocks) not in self._graphs:
-            self._capture_bucket(rows, blocks)
+        kind: StepKind = "logits" if sampling is None else variant_of(sampling, self.sampler.vocab_size)
+        if self.capture and (rows, blocks, kind) not in self._graphs:
+            self._capture_bucket(rows, blocks, kind)
         self._stage(chunks, rows)
+        if sampling is not None:
+            self.sampler.stage(sampling)
+            self.num_device_sampled += 1
         self.num_steps += 1
-        graph, out = self._graphs.get((rows, blocks), (None, None))
+        graph, out = self._graphs.get((rows, blocks, kind), (None, None))
         if graph is not None and out is not None:
             graph.replay()
+        else:
+            with torch.inference_mode():
+                out = self._step(rows, blocks, kind)
+        if sampling is None:
             return out[:n].cpu()  # a copy: the next replay overwrites `out`; it waits for the graph
-        with torch.inference_mode():
-            return self._forward(rows, blocks)[:n].cpu()
+        return DeviceTokens(out[:n].tolist())
 
     def _stage(self, chunks: Sequence[SeqChunk], rows: int) -> None:
         """Pack the step's inputs (padding rows after the real ones) and copy them to the device at once.
@@ -161,6 +182,11 @@ class DecodeGraphs:
         with sdpa_backends(self.kv_cache.device):
             return self.decoder(ids, positions, self.rows[:rows], meta).float()
 
+    def _step(self, rows: int, blocks: int, kind: StepKind) -> torch.Tensor:
+        """What the graph of `kind` returns: the logits, or the tokens drawn from them on the device."""
+        logits = self._forward(rows, blocks)
+        return logits if kind == "logits" else self.sampler.sample(logits, kind)
+
     # -------------------------------------------------------------- capture
     def release(self) -> None:
         """Drop the graphs and their memory (before the KV cache's tensors change); the next step
@@ -171,7 +197,7 @@ class DecodeGraphs:
             torch.cuda.empty_cache()
 
     def capture_all(self) -> None:
-        """Capture every (batch, context) bucket, largest first, into one memory pool."""
+        """Capture every (batch, context) bucket's "logits" graph, largest first, into one memory pool."""
         started = time.perf_counter()
         self._graphs.clear()
         torch.cuda.synchronize(self.kv_cache.device)
@@ -180,14 +206,14 @@ class DecodeGraphs:
         self._device.copy_(self._host)
         for rows in reversed(self.batch_sizes):
             for blocks in reversed(self.context_sizes):
-                self._graphs[(rows, blocks)] = self._capture(
-                    lambda r=rows, b=blocks: self._forward(r, b), self._pool)
+                self._graphs[(rows, blocks, "logits")] = self._capture(
+                    lambda r=rows, b=blocks: self._step(r, b, "logits"), self._pool)
         torch.cuda.synchronize(self.kv_cache.device)
         self.capture_seconds = time.perf_counter() - started
         log.info("CUDA graphs: %d decode buckets captured in %.1f s (batch %s x context blocks %s)",
                  len(self._graphs), self.capture_seconds, self.batch_sizes, self.context_sizes)
 
-    def _capture_bucket(self, rows: int, blocks: int) -> None:
+    def _capture_bucket(self, rows: int, blocks: int, kind: StepKind) -> None:
         """Capture one bucket on demand; out of memory turns capturing off (steps run at fixed shapes,
         eagerly) rather than failing the step."""
         if self._pool is None:
@@ -195,10 +221,10 @@ class DecodeGraphs:
         self._pad(0, self.max_rows)
         self._device.copy_(self._host)
         try:
-            self._graphs[(rows, blocks)] = self._capture(lambda: self._forward(rows, blocks), self._pool)
+            self._graphs[(rows, blocks, kind)] = self._capture(lambda: self._step(rows, blocks, kind), self._pool)
         except torch.OutOfMemoryError:
-            log.warning("out of memory capturing a CUDA graph for %d rows x %d blocks: decode steps run "
-                        "without graphs from now on", rows, blocks)
+            log.warning("out of memory capturing a CUDA graph for %d rows x %d blocks (%s): decode steps run "
+                        "without graphs from now on", rows, blocks, kind)
             self.release()
             self.capture = False
             self.capture_disabled_by_oom = True
@@ -217,4 +243,5 @@ class DecodeGraphs:
 
     def stats(self) -> dict[str, float | int]:
         return {"cuda_graphs": len(self._graphs), "cuda_graph_capture_s": round(self.capture_seconds, 2),
-                "fixed_shape_decode_steps": self.num_steps, "cuda_graphs_off_after_oom": self.capture_disabled_by_oom}
+                "fixed_shape_decode_steps": self.num_steps, "device_sampled_steps": self.num_device_sampled,
+                "cuda_graphs_off_after_oom": self.capture_disabled_by_oom}

@@ -25,6 +25,7 @@ import torch
 
 from tokenflow.errors import ModelLoadError
 from tokenflow.kv.kv_cache import KVCache
+from tokenflow.protocols import DeviceTokens
 from tokenflow.runtime.attention.layer import LayerAttention, choose_attention
 from tokenflow.runtime.attention.paged import (
     ATTENTION_NAME,
@@ -44,7 +45,7 @@ from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.fused_layers import fused_decoder_for, runs_own_copies
 from tokenflow.runtime.layer_families import model_window
 from tokenflow.runtime.lora import LoraAdapter, step_rows
-from tokenflow.runtime.sampler import GreedyTokens
+from tokenflow.runtime.sampler import GreedyTokens, SamplingRow
 
 __all__ = ("PagedModelRunner", "SeqChunk", "all_layers_windowed", "check_model_supported", "own_window")
 
@@ -321,13 +322,15 @@ class PagedModelRunner:
         return found
 
     # ------------------------------------------------------------------ step
-    def execute(self, chunks: Sequence[SeqChunk], greedy: bool = False) -> torch.Tensor | GreedyTokens:
+    def execute(self, chunks: Sequence[SeqChunk], greedy: bool = False,
+                sampling: Sequence[SamplingRow] | None = None) -> torch.Tensor | GreedyTokens | DeviceTokens:
         """One forward over `chunks`; returns float32 logits `[rows, vocab]` on the CPU (the sampler runs
         there): `num_logits` rows per sampling chunk, in chunk order. With `greedy` (each chunk samples one
         row, its argmax, and nothing else reads its logits), the rows' tokens where the fused layers' greedy
-        head settles them."""
+        head settles them. With `sampling` (chunk i's row, each `device_samplable`), a step of the fixed-shape
+        decode draws its tokens on the device."""
         if self.graphs is not None and self.graphs.fits(chunks):
-            return self.graphs.run(chunks)
+            return self.graphs.run(chunks, sampling)
         step = self.prepare(chunks, self.kv_cache)
         out = self._forward(step, greedy)
         return out if isinstance(out, GreedyTokens) else out.cpu()

@@ -28,17 +28,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenflow.params import SamplingParams, TokenLogprob
-from tokenflow.protocols import GreedyTokens, RowFailure, SamplerOutput
+from tokenflow.protocols import DeviceTokens, GreedyTokens, RowFailure, SamplerOutput
 from tokenflow.request import Request
 from tokenflow.structured.bitmask import StepMasks, apply_bitmask
 
 if TYPE_CHECKING:
     from tokenflow.protocols import StepPlan
 
-__all__ = ("GreedyTokens", "RowFailure", "Sampler", "SamplerOutput", "SamplingRow", "argmax_only", "has_penalty",
-           "make_generator", "plain_greedy", "row_of")
+__all__ = ("GREEDY_EPS", "GreedyTokens", "RowFailure", "Sampler", "SamplerOutput", "SamplingRow", "adjusts_logits",
+           "argmax_only", "draw_uniforms", "has_penalty", "inverse_cdf", "make_generator", "plain_greedy", "row_of")
 
-_GREEDY_EPS = 1e-5  # as vLLM: dividing by a smaller temperature overflows fp32, so treat it as greedy
+GREEDY_EPS = 1e-5  # as vLLM: dividing by a smaller temperature overflows fp32, so treat it as greedy
 _STAGES = (64, 1024, 8192)  # candidate counts tried before a full sort for top-k / top-p rows
 _NEG_INF = float("-inf")
 _NON_FINITE = "the model produced non-finite logits for this request"
@@ -58,7 +58,7 @@ class SamplingRow:
 def plain_greedy(row: SamplingRow) -> bool:
     """Whether the row's token is its raw logits' argmax and nothing else is read from them: greedy, no
     logprobs, no logit_bias, penalties or min_tokens mask (a constraint's mask is the caller's to check)."""
-    return row.params.temperature < _GREEDY_EPS and row.params.logprobs is None and not _adjusts(row)
+    return row.params.temperature < GREEDY_EPS and row.params.logprobs is None and not adjusts_logits(row)
 
 
 def argmax_only(plan: StepPlan) -> bool:
@@ -70,7 +70,7 @@ def argmax_only(plan: StepPlan) -> bool:
         for c in rows)
 
 
-def _adjusts(row: SamplingRow) -> bool:
+def adjusts_logits(row: SamplingRow) -> bool:
     """Whether `Sampler._adjust` changes the row's logits: logit_bias, the min_tokens mask, penalties."""
     p = row.params
     return len(row.output_token_ids) < p.min_tokens or has_penalty(p) or bool(p.logit_bias)
@@ -134,9 +134,9 @@ class Sampler:
                 output.failed[row] = RowFailure(f"the output constraint cannot go on: {error}", model_fault=False)
         return output
 
-    def greedy_output(self, tokens: GreedyTokens) -> SamplerOutput:
-        """`sample`'s output for rows a backend settled as `GreedyTokens` (the failure a row with non-finite
-        logits gets from `sample`)."""
+    def greedy_output(self, tokens: GreedyTokens | DeviceTokens) -> SamplerOutput:
+        """`sample`'s output for rows a backend settled as `GreedyTokens` or `DeviceTokens` (the failure a
+        row with non-finite logits gets from `sample`)."""
         self._drawn = None
         failed = {i: RowFailure(_NON_FINITE, model_fault=True) for i, t in enumerate(tokens.token_ids) if t < 0}
         return SamplerOutput(list(tokens.token_ids), None, failed)
@@ -188,8 +188,8 @@ class Sampler:
         bad = ~x.amax(-1).isfinite()  # the mask left nothing the sampling parameters allow
         if bad.any():
             x[bad] = 0.0  # drawn harmlessly, reported as failed
-        u = _uniforms([rows[i] for i in idx], s.device)
-        tokens = _inverse_cdf(x, u, self._buf("tmp", len(idx), s.shape[1], s)).tolist()
+        u = draw_uniforms([rows[i] for i in idx], s.device)
+        tokens = inverse_cdf(x, u, self._buf("tmp", len(idx), s.shape[1], s)).tolist()
         failed = {j: RowFailure("the output constraint allows no token with a finite logit", model_fault=False)
                   for j in bad.nonzero().squeeze(-1).tolist()}
         for row, error in masks.errors.items():
@@ -202,7 +202,7 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         stats = self._logprob_stats(raw, lp_rows, max(p.logprobs or 0 for p in params)) if lp_rows else None
 
-        greedy = [i for i, p in enumerate(params) if p.temperature < _GREEDY_EPS]
+        greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_EPS]
         tokens = torch.empty(n, dtype=torch.long, device=raw.device)
         bad = torch.zeros(n, dtype=torch.bool, device=raw.device)
         if greedy:
@@ -248,7 +248,7 @@ class Sampler:
     ) -> torch.Tensor:
         """Rows `idx` of `raw` with min_tokens and penalties applied: `raw` itself when untouched."""
         sub = [rows[i] for i in idx]
-        adjust = any(_adjusts(r) for r in sub)
+        adjust = any(adjusts_logits(r) for r in sub)
         every = idx == list(range(raw.shape[0]))
         if every and not adjust:
             return raw
@@ -342,14 +342,14 @@ class Sampler:
             sub.masked_fill_(sub < sub.amax(-1, keepdim=True) + log_min_p[:, None], _NEG_INF)
             if sub is not s:
                 s[mp] = sub
-        u = _uniforms(srows, dev)
+        u = draw_uniforms(srows, dev)
         t = sum(1 for i in order if key[i][0] == 0)
         out = torch.empty(len(order), dtype=torch.long, device=dev)
         if t:
             out[:t] = self._truncated_sample(s[:t], ps[:t], u[:t], stages)
         if t < len(order):
             cdf = self._buf("tmp", len(order) - t, vocab, s)
-            out[t:] = _inverse_cdf(s[t:], u[t:], cdf)
+            out[t:] = inverse_cdf(s[t:], u[t:], cdf)
             self._drawn = (s[t:], cdf, {i: j - t for j, i in enumerate(order) if j >= t})
         return order, out, bad
 
@@ -391,7 +391,7 @@ class Sampler:
             cut = vals.gather(1, last[:, None])
             if k == vocab:
                 sub.masked_fill_(sub < cut, _NEG_INF)
-                out[here] = _inverse_cdf(sub, u[here], self._buf("tmp", *sub.shape, sub))
+                out[here] = inverse_cdf(sub, u[here], self._buf("tmp", *sub.shape, sub))
                 break
             # resolved when no left-out candidate can tie the cut (or the k-th value, which the top-p
             # normalisation needs), or when everything left out is already -inf
@@ -403,7 +403,7 @@ class Sampler:
                 c, v = cols[d].gather(1, order), vals[d].gather(1, order)
                 v = v.masked_fill(v < cut[d], _NEG_INF)
                 finished = [here[j] for j in d.tolist()]
-                pos = _inverse_cdf(v, u[finished], torch.empty_like(v))
+                pos = inverse_cdf(v, u[finished], torch.empty_like(v))
                 out[finished] = c.gather(1, pos[:, None]).squeeze(1)
                 pending = sorted(set(pending).difference(finished))
         return out
@@ -442,7 +442,7 @@ def _gather_rows(src: torch.Tensor, idx: list[int], out: torch.Tensor) -> torch.
     return torch.gather(src, 0, index, out=out)
 
 
-def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
+def draw_uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
     """One U[0, 1) per row: seeded rows from their own generator, the others in one default draw."""
     free = [j for j, r in enumerate(rows) if r.generator is None]
     if len(free) == len(rows):
@@ -456,7 +456,7 @@ def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor
     return u
 
 
-def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(logits: torch.Tensor, u: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """Column drawn from each row's softmax by inverting its CDF at `u` (columns at -inf never win)."""
     # softmax, not sub + exp: its kernel keeps its speed on rows full of -inf (a grammar's mask), exp's does not
     cdf = torch.softmax(logits, -1, out=scratch).cumsum_(-1)

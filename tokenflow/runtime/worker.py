@@ -24,6 +24,7 @@ from tokenflow.protocols import (
     CompressingBackend,
     CompressJob,
     DeviceOutOfMemory,
+    DeviceTokens,
     EmbeddingBackend,
     GreedyTokens,
     RowFailure,
@@ -169,8 +170,9 @@ class ModelWorker:
             masks = filling.result() if filling is not None else None  # never leave the worker mid-fill
         self.last_forward_ms = (time.perf_counter() - t0) * 1e3
         rows = [row_of(c.request) for c in sampling]
-        if isinstance(logits, GreedyTokens):  # an argmax_only plan the backend settled without logits
-            self.num_greedy_head_steps += 1
+        if isinstance(logits, GreedyTokens | DeviceTokens):  # tokens the backend settled without logits
+            if isinstance(logits, GreedyTokens):
+                self.num_greedy_head_steps += 1
             return StepOutput(self.sampler.greedy_output(logits), [[] for _ in rows])
         if not any(c.draft or c.num_prompt_logits for c in plan.chunks):  # the common case: a row per sample
             if not rows:

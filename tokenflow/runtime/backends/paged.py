@@ -19,11 +19,12 @@ from tokenflow.config import DEFAULT_BATCH_TOKENS, EngineConfig
 from tokenflow.errors import ModelLoadError
 from tokenflow.hub.cache import tokenflow_home
 from tokenflow.kv.kv_cache import KVCache
-from tokenflow.protocols import EngineContext, StepPlan
+from tokenflow.protocols import DeviceTokens, EngineContext, StepPlan
 from tokenflow.runtime.compiled import compile_mlps, decode_buckets, padded_size
 from tokenflow.runtime.cpu.packed_linear import pack_linears
 from tokenflow.runtime.cpu.rms_norm import fuse_rms_norms
 from tokenflow.runtime.decode_graphs import DecodeGraphs
+from tokenflow.runtime.device_sampler import device_rows
 from tokenflow.runtime.gated_mlp import inplace_gated_mlps
 from tokenflow.runtime.lora import install_lora_layers
 from tokenflow.runtime.paged_runner import (
@@ -244,7 +245,7 @@ class PagedBackend:
         self.runner.graphs = DecodeGraphs(
             self.runner.fused, kv_cache, batch_sizes=decode_buckets(self.config.max_num_seqs),
             max_model_len=ctx.max_model_len, scratch_block=self.scratch_block, capture=capture,
-            attention=self.runner.attention,
+            attention=self.runner.attention, vocab_size=ctx.vocab_size,
         )
         if not capture:
             return
@@ -283,10 +284,11 @@ class PagedBackend:
         assert self.runner is not None
         self.runner.compress(window, table, keep, sinks)
 
-    def execute(self, plan: StepPlan) -> torch.Tensor | GreedyTokens:
+    def execute(self, plan: StepPlan) -> torch.Tensor | GreedyTokens | DeviceTokens:
         """Blocking: one forward; logits in plan order, `num_logit_rows` rows per chunk (one per sampling
         chunk plus one per draft token, and every row of a chunk that scores prompt tokens). For an
-        `argmax_only` plan, the rows' tokens instead where the fused layers' greedy head settles them."""
+        `argmax_only` plan, the rows' tokens instead where the fused layers' greedy head settles them; for
+        a decode step at fixed shapes whose rows the device sampler takes, the tokens it drew."""
         assert self.runner is not None
         chunks = []
         for c in plan.chunks:
@@ -305,7 +307,8 @@ class PagedBackend:
         if self.buckets and plan.num_tokens == len(chunks):  # decode-only: pad to a static batch size
             pad = padded_size(len(chunks), self.buckets) - len(chunks)
             chunks.extend(SeqChunk([0], 0, [self.scratch_block], False) for _ in range(pad))
-        return self.runner.execute(chunks, greedy=argmax_only(plan))
+        sampling = device_rows(plan) if self.runner.graphs is not None else None
+        return self.runner.execute(chunks, greedy=argmax_only(plan), sampling=sampling)
 
     def warmup_batch_sizes(self) -> list[int]:
         """Decode batch sizes worth a warm-up: every bucket when compiled, else one and a full batch."""

@@ -1,0 +1,172 @@
+"""DeviceSampler: the tokens the host `Sampler` draws, drawn with device operations only.
+
+The oracle is the host sampler itself: both draw each row's uniform from the row's own generator, so
+with generators seeded alike they must pick the same token for every row, step after step. Running
+the sampler on the `meta` device proves it reads nothing back from the device (any `.item()`,
+`.tolist()` or branch on a value raises there), which is what lets a CUDA graph hold it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import anyio
+import pytest
+import torch
+
+from tokenflow import Engine
+from tokenflow.params import SamplingParams
+from tokenflow.runtime.backends import paged
+from tokenflow.runtime.device_sampler import DeviceSampler, device_samplable, variant_of
+from tokenflow.runtime.sampler import Sampler, SamplingRow, make_generator
+
+VOCAB = 300
+
+RANDOM = [dict(temperature=0.7), dict(temperature=1.0), dict(temperature=1.6, min_p=0.05), dict(temperature=0.3)]
+TRUNCATED = [
+    dict(temperature=1.0, top_k=5), dict(temperature=0.8, top_k=1), dict(temperature=1.0, top_p=0.9),
+    dict(temperature=1.2, top_k=20, top_p=0.3), dict(temperature=0.9, min_p=0.1, top_p=0.8),
+    dict(temperature=1.0, top_k=VOCAB + 100), dict(temperature=2.0, top_k=50, top_p=0.95, min_p=0.02),
+]
+GREEDY = [dict(temperature=0.0), dict(temperature=1e-6)]
+
+
+def _rows(kinds: Sequence[dict], seed: int) -> list[SamplingRow]:
+    """A row per kind, each seeded: the same call twice gives two rows with identical generators."""
+    return [SamplingRow(SamplingParams(**kind, seed=seed + j), [1, 2], [3], make_generator(seed + j))
+            for j, kind in enumerate(kinds)]
+
+
+def _logits(rows: int, step: int) -> torch.Tensor:
+    """Logits in steps of 0.25, so rows hold ties (at the argmax and at a top-k cut), some at -inf."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = (torch.randn(rows, VOCAB, generator=g) * 3).mul(4).round().div(4)
+    x[:, torch.randint(0, VOCAB, (40,), generator=g)] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize(("kinds", "variant"), [
+    (GREEDY * 3, "greedy"),
+    (RANDOM + GREEDY, "random"),
+    (TRUNCATED + RANDOM + GREEDY, "truncated"),
+])
+def test_tokens_equal_the_host_samplers_step_after_step(kinds: list[dict], variant: str) -> None:
+    host_rows, device_rows = _rows(kinds, 7), _rows(kinds, 7)
+    assert variant_of(device_rows, VOCAB) == variant
+    host = Sampler(VOCAB, eos_token_ids=[0])
+    device = DeviceSampler(len(kinds) + 3, VOCAB, torch.device("cpu"))
+    compared = 0
+    for step in range(40):
+        logits = _logits(len(kinds), step)
+        expected = host.sample(logits, host_rows)
+        device.stage(device_rows)
+        got = device.sample(torch.cat([logits, torch.zeros(len(kinds), 5)], 1), variant).tolist()  # padded vocab
+        assert not expected.failed
+        assert got == expected.token_ids, f"step {step}"
+        compared += len(got)
+    assert compared == 40 * len(kinds)
+
+
+def test_a_seeded_row_draws_the_same_token_alone_and_among_others() -> None:
+    """Alone it takes the "random" variant, among top-k neighbours the "truncated" one (a sort of every
+    row): its token depends on its own logits and generator only."""
+    device = DeviceSampler(8, VOCAB, torch.device("cpu"))
+    for step in range(30):
+        logits = _logits(8, step)
+        alone = _rows([dict(temperature=0.9)], 11)
+        device.stage(alone)
+        mine = device.sample(logits[:1], variant_of(alone, VOCAB)).tolist()
+        crowd = _rows([dict(temperature=0.9)], 11) + _rows([dict(temperature=1.0, top_k=3)] * 7, 50 + step)
+        assert variant_of(crowd, VOCAB) == "truncated"
+        device.stage(crowd)
+        assert device.sample(logits, "truncated").tolist()[0] == mine[0]
+
+
+def test_rows_whose_logits_are_not_finite_come_back_as_minus_one() -> None:
+    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_p=0.5), dict(temperature=0.0)]
+    logits = _logits(4, 0)
+    logits[0, 5] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 9] = float("inf")
+    device = DeviceSampler(4, VOCAB, torch.device("cpu"))
+    device.stage(_rows(kinds, 3))
+    tokens = device.sample(logits, "truncated").tolist()
+    host = Sampler(VOCAB, eos_token_ids=[0]).sample(logits, _rows(kinds, 3))
+    assert tokens[:3] == [-1, -1, -1] and sorted(host.failed) == [0, 1, 2]
+    assert tokens[3] == host.token_ids[3] >= 0  # the finite neighbour is unaffected
+
+
+@pytest.mark.parametrize("variant", ["greedy", "random", "truncated"])
+def test_sampling_reads_nothing_back_from_the_device(variant: str) -> None:
+    """On `meta` tensors every value read (`.item()`, `.tolist()`, `if tensor`) raises: the sampler runs
+    there, so a CUDA graph can record it and no step waits for the device before the next is queued."""
+    device = DeviceSampler(16, VOCAB, torch.device("meta"))
+    device.stage(_rows(TRUNCATED + RANDOM, 1))
+    tokens = device.sample(torch.empty(16, VOCAB + 4, device="meta"), variant)  # type: ignore[arg-type]
+    assert tokens.shape == (16,) and tokens.dtype == torch.long and tokens.device.type == "meta"
+    with pytest.raises(Exception):  # noqa: B017 - the check above means something only if reads raise here
+        tokens.tolist()
+
+
+def test_drawn_frequencies_follow_top_k_then_top_p() -> None:
+    """4,000 unseeded draws of one row: top_k=6 keeps 6 tokens, top_p=0.8 of their renormalised mass keeps
+    the first 3 (0.4 + 0.25 + 0.2 reaches it): each is drawn at its renormalised probability."""
+    probs = [0.4, 0.25, 0.2, 0.1, 0.03, 0.015, 0.005]
+    logits = torch.full((VOCAB,), -30.0)
+    logits[[10, 20, 30, 40, 50, 60, 70]] = torch.tensor(probs).log()
+    rows = [SamplingRow(SamplingParams(temperature=1.0, top_k=6, top_p=0.8), [], [])] * 4000
+    device = DeviceSampler(len(rows), VOCAB, torch.device("cpu"))
+    torch.manual_seed(0)
+    device.stage(rows)
+    tokens = device.sample(logits.expand(len(rows), -1), "truncated")
+    counts = torch.bincount(tokens, minlength=VOCAB)
+    assert set(torch.nonzero(counts).flatten().tolist()) == {10, 20, 30}
+    kept = probs[0] + probs[1] + probs[2]
+    for token, p in ((10, probs[0] / kept), (20, probs[1] / kept), (30, probs[2] / kept)):
+        sd = math.sqrt(len(rows) * p * (1 - p))
+        assert abs(counts[token].item() - len(rows) * p) < 4 * sd, (token, counts[token].item(), len(rows) * p)
+
+
+def test_rows_that_read_more_than_their_draw_stay_on_the_host() -> None:
+    def row(**kw) -> SamplingRow:
+        return SamplingRow(SamplingParams(**kw), [1], [2])
+
+    assert device_samplable(row(temperature=0.7, top_p=0.9, min_p=0.1, top_k=4, seed=3))
+    assert device_samplable(row(temperature=0.0))
+    for kw in (dict(logprobs=2), dict(repetition_penalty=1.2), dict(presence_penalty=0.5),
+               dict(frequency_penalty=0.5), dict(logit_bias={5: 2.0}), dict(min_tokens=4)):
+        assert not device_samplable(row(**kw)), kw
+
+
+async def test_a_seeded_request_gets_the_same_tokens_whichever_sampler_draws_its_steps(
+    tiny_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps at fixed shapes (as CUDA graphs replay them; eager here) draw on the device; while the
+    penalised request is in the batch its steps go to the host sampler instead, so the other requests'
+    streams cross from one sampler to the other mid-request. Every output equals the run where the host
+    sampler draws every step."""
+    monkeypatch.setattr(paged, "decode_graph_mode", lambda config, device: "eager")
+    requests = [dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=1.0, seed=2),
+                dict(temperature=1.2, top_k=8, min_p=0.05, seed=3), dict(temperature=0.0),
+                dict(temperature=0.9, seed=4, repetition_penalty=1.3, max_tokens=5)]
+
+    async def run_together() -> tuple[list[list[int]], dict]:
+        async with Engine(tiny_model, num_kv_blocks=128, max_num_seqs=8) as engine:
+            results: list[list[int]] = [[] for _ in requests]
+
+            async def one(i: int) -> None:
+                params = {"max_tokens": 24, "ignore_eos": True, **requests[i]}
+                results[i] = (await engine.generate(f"prompt number {i}", **params)).token_ids
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(requests)):
+                    tg.start_soon(one, i)
+            return results, engine.stats()
+
+    on_device, stats = await run_together()
+    monkeypatch.setattr(paged, "device_rows", lambda plan: None)
+    on_host, host_stats = await run_together()
+    assert on_device == on_host
+    assert [len(t) for t in on_device] == [24, 24, 24, 24, 5]
+    assert stats["device_sampled_steps"] >= 15 and host_stats["device_sampled_steps"] == 0
+    assert stats["fixed_shape_decode_steps"] >= 20
