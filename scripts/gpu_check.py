@@ -19,9 +19,15 @@ shows everything that works and everything that does not:
 6. profile: eager steps under each SDPA backend;
 7. int8: `quantization="int8"` on CUDA (torchao's weight-only int8) against bf16 and fp32: weight
    bytes, perplexity of a held-out text, greedy agreement (`tokenflow bench-quality`'s measures), and
-   the speed workload at concurrency 16 and 1, bf16 and int8 one after the other.
+   the speed workload at concurrency 16 and 1, bf16 and int8 one after the other;
+8. sampling: seeded top-p requests through the engine with decode steps sampled on the device and
+   with every step sampled on the host: the same tokens (up to float rounding at a CDF boundary);
+9. shapes: real-size shapes with random weights (`gpu_shapes.py`): decode steps at batch 1, 16, 64 and
+   a 2k-token prefill against the roofline measured in the same run, beside transformers' static-cache
+   `generate` and `generate_batch` on the same model.
 
     python scripts/gpu_check.py [MODEL] [--device cuda] [--json FILE]
+    python scripts/gpu_check.py --dry-run      # on the CPU, tiny shapes: every line of checks 2, 8, 9 runs
 """
 
 from __future__ import annotations
@@ -391,7 +397,84 @@ async def check_int8(model: str, device: str, text: str, requests: int, concurre
     RESULTS["int8"] = {"quality": table, "speed": speed}
 
 
-async def main(args: argparse.Namespace) -> None:
+# -- 8. device sampling against host sampling ----------------------------------------------------------
+async def check_sampling(model: str, device: str) -> None:
+    """16 seeded top-p / top-k requests at once, run twice: decode steps sampled on the device (in the graphs),
+    then every step on the host sampler. Each request's uniforms come from its own generator either way."""
+    from tokenflow import Engine
+    from tokenflow.runtime.backends import paged
+
+    kinds = [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0), dict(temperature=1.1, top_k=20, min_p=0.05),
+             dict(temperature=0.0)]
+
+    async def run() -> tuple[list[list[int]], dict[str, Any]]:
+        async with Engine(model, device=device, dtype="float32", max_num_seqs=16, prefix_caching=False) as engine:
+            outputs: list[list[int]] = [[] for _ in range(16)]
+
+            async def one(i: int) -> None:
+                done = await engine.generate(f"Story number {i}: once upon a time", max_tokens=32, seed=i,
+                                             ignore_eos=True, **kinds[i % len(kinds)])
+                outputs[i] = done.token_ids
+
+            async with anyio.create_task_group() as tg:
+                for i in range(16):
+                    tg.start_soon(one, i)
+            return outputs, engine.stats()
+
+    real = paged.device_rows
+    on_device, stats = await run()
+    paged.device_rows = lambda plan: None  # type: ignore[assignment]
+    try:
+        on_host, host_stats = await run()
+    finally:
+        paged.device_rows = real
+    same = sum(a == b for a, b in zip(on_device, on_host))
+    prefix = sum(next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(on_device, on_host))
+    RESULTS["sampling"] = {"identical": same, "of": 16, "mean_common_prefix": prefix / 16,
+                           "device_sampled_steps": stats.get("device_sampled_steps", 0),
+                           "host_run_device_sampled_steps": host_stats.get("device_sampled_steps", 0),
+                           "decode_step_ms_by_batch": stats.get("decode_step_ms_by_batch", {}),
+                           "host_decode_step_ms_by_batch": host_stats.get("decode_step_ms_by_batch", {})}
+    verdict = "ok" if same >= 15 and stats.get("device_sampled_steps", 0) else "MISMATCH"
+    report("sampling, fp32: device vs host sampler (16 seeded requests)",
+           f"{verdict}: {same}/16 outputs identical (mean common prefix {prefix / 16:.1f}/32); "
+           f"{stats.get('device_sampled_steps', 0)} steps sampled on the device")
+    if verdict != "ok":
+        raise AssertionError(f"device and host sampling disagree: {RESULTS['sampling']}")
+
+
+# -- 9. real-size shapes ----------------------------------------------------------------------------------
+async def check_shapes(device: str, shapes: list[str], peers: list[str], dry_run: bool) -> None:
+    import gpu_shapes
+
+    dev = torch.device(device)
+    limits = gpu_shapes.device_limits(dev, torch.bfloat16, dry_run)
+    RESULTS["limits"] = limits
+    report("limits (bf16)", f"memory {limits['read_bytes_per_s'] / 1e9:.0f} GB/s (a copy), "
+                            f"matmul {limits['flops_per_s'] / 1e12:.1f} TFLOPS")
+    for name in shapes:
+        r = gpu_shapes.measure_shape(name, dev, limits, dry_run=dry_run, peers=name in peers)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()  # the shape's model, KV cache and graphs are gone
+        RESULTS[f"shape {name}"] = r
+        steps = "; ".join(
+            f"b{b}: {d['step_ms_device_greedy']:.2f} ms ({d['tokens_per_s']:.0f} tok/s, {d['of_roofline']:.1%} "
+            f"of roofline; top-p {d['step_ms_device_top_p']:.2f}, host sampling {d['step_ms_host_sampling']:.2f})"
+            for b, d in r["decode"].items())
+        pre = r["prefill"]
+        line = (f"{r['parameters'] / 1e6:,.1f} M params; decode {steps}; prefill {pre['tokens']}: "
+                f"{pre['tokens_per_s']:.0f} tok/s ({pre['of_roofline']:.1%} of roofline)")
+        if "transformers_static_b1" in r:
+            static, batch = r["transformers_static_b1"], r["transformers_generate_batch_c16"]
+            ours_b1 = r["decode"]["1"]["tokens_per_s"]
+            line += (f"; transformers static b1 {static['tokens_per_s']:.0f} tok/s "
+                     f"(ours {ours_b1 / static['tokens_per_s']:.2f}x), "
+                     f"generate_batch {batch['tokens_per_s']:.0f} tok/s")
+        report(f"shape {name}", line)
+
+
+async def main(args: argparse.Namespace) -> int:
+    """Every check in `args.checks`; the number that failed."""
     device = args.device
     if device.startswith("cuda"):
         report("GPU", f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -400,7 +483,7 @@ async def main(args: argparse.Namespace) -> None:
     report("software", f"transformers {transformers.__version__}, torch {torch.__version__}")
     checks = {
         "load": lambda: check_load(args.model, device),
-        "oracle_tiny": lambda: check_oracle_tiny(device),
+        "oracle_tiny": lambda: check_oracle_tiny(device),  # greedy rows: sampled on the device (argmax)
         "oracle_bf16": lambda: check_oracle_real(args.model, device, "bfloat16"),
         "oracle_fp32": lambda: check_oracle_real(args.model, device, "float32"),
         "oracle_bf16_eager": lambda: check_oracle_real(args.model, device, "bfloat16", cuda_graphs=False),
@@ -410,6 +493,8 @@ async def main(args: argparse.Namespace) -> None:
         "profile": lambda: check_profile(args.model, device),
         "int8": lambda: check_int8(args.model, device, args.text, args.requests,
                                    [int(c) for c in args.concurrency.split(",")]),
+        "sampling": lambda: check_sampling(args.model, device),
+        "shapes": lambda: check_shapes(device, args.shapes.split(","), args.peers.split(","), args.dry_run),
     }
     for name in args.checks.split(","):
         await attempt(name, checks[name])
@@ -417,6 +502,7 @@ async def main(args: argparse.Namespace) -> None:
     print("\n" + "\n".join(f"{name:<{width}}  {value}" for name, value in ROWS))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": ROWS, "results": RESULTS}, indent=1, default=str))
+    return sum(name in RESULTS and "failed" in RESULTS[name] for name in args.checks.split(","))
 
 
 if __name__ == "__main__":
@@ -425,10 +511,24 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--checks", default="load,oracle_tiny,oracle_bf16,oracle_fp32,oracle_bf16_eager,"
-                                            "out_of_memory,speed,profile,int8")
+                                            "sampling,shapes,out_of_memory,speed,profile,int8")
     parser.add_argument("--speed-variants", default="graphs,eager,graphs-512", help=f"of {', '.join(SPEED_VARIANTS)}")
     parser.add_argument("--concurrency", default="16,1")
     parser.add_argument("--no-naive", action="store_true", help="skip naive transformers in the speed check")
     parser.add_argument("--text", default="/usr/share/common-licenses/GPL-3", help="int8: the held-out text")
+    parser.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b,llama-3.1-8b", help="of gpu_shapes.SHAPES")
+    parser.add_argument("--peers", default="llama-3.1-8b", help="shapes that also run transformers' fast paths")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on the CPU with tiny shapes (checks oracle_tiny, sampling, shapes unless --checks)")
     parser.add_argument("--json")
-    anyio.run(main, parser.parse_args())
+    args = parser.parse_args()
+    if args.dry_run:  # decode steps take the fixed-shape path the graphs record, eagerly on the CPU
+        from tokenflow.runtime.backends import paged
+
+        paged.decode_graph_mode = lambda config, device: "eager"
+        args.device = "cpu"
+        if args.checks == parser.get_default("checks"):
+            args.checks = "oracle_tiny,sampling,shapes"
+        args.peers = args.shapes
+    failures = anyio.run(main, args)
+    sys.exit(1 if failures and args.dry_run else 0)
