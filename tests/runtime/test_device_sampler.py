@@ -1,7 +1,8 @@
 """DeviceSampler: the tokens the host `Sampler` draws, drawn with device operations only.
 
 The oracle is the host sampler itself: both draw each row's uniform from the row's own generator, so
-with generators seeded alike they must pick the same token for every row, step after step. Running
+with generators seeded alike they must pick the same token for every row, step after step, penalties and
+biases included (those the device keeps per request and advances itself; the host recomputes them). Running
 the sampler on the `meta` device proves it reads nothing back from the device (any `.item()`,
 `.tolist()` or branch on a value raises there), which is what lets a CUDA graph hold it."""
 
@@ -29,11 +30,21 @@ TRUNCATED = [
     dict(temperature=1.0, top_k=VOCAB + 100), dict(temperature=2.0, top_k=50, top_p=0.95, min_p=0.02),
 ]
 GREEDY = [dict(temperature=0.0), dict(temperature=1e-6)]
+ADJUSTED = [
+    dict(temperature=0.0, repetition_penalty=1.5), dict(temperature=1.0, frequency_penalty=0.8),
+    dict(temperature=0.9, presence_penalty=1.2, top_p=0.9), dict(temperature=1.0, logit_bias={7: 5.0, 299: -3.0}),
+    dict(temperature=0.0, min_tokens=12, stop_token_ids=[11, 12]), dict(temperature=1.1, top_k=10,
+                                                                       repetition_penalty=0.7, frequency_penalty=-0.5),
+    dict(temperature=0.0, logit_bias={3: 100.0}, presence_penalty=2.0, frequency_penalty=2.0),
+]
 
 
-def _rows(kinds: Sequence[dict], seed: int) -> list[SamplingRow]:
-    """A row per kind, each seeded: the same call twice gives two rows with identical generators."""
-    return [SamplingRow(SamplingParams(**kind, seed=seed + j), [1, 2], [3], make_generator(seed + j))
+def _rows(kinds: Sequence[dict], seed: int, outputs: Sequence[list[int]] | None = None) -> list[SamplingRow]:
+    """A row per kind, each seeded: the same call twice gives two rows with identical generators. `outputs`:
+    each row's output list (shared by the host's and the device's rows of one test)."""
+    outputs = outputs or [[3] for _ in kinds]
+    return [SamplingRow(SamplingParams(**kind, seed=seed + j), [1, 2, 11, 40], outputs[j], make_generator(seed + j),
+                        frozenset(kind.get("stop_token_ids", ())))
             for j, kind in enumerate(kinds)]
 
 
@@ -49,22 +60,43 @@ def _logits(rows: int, step: int) -> torch.Tensor:
     (GREEDY * 3, "greedy"),
     (RANDOM + GREEDY, "random"),
     (TRUNCATED + RANDOM + GREEDY, "truncated"),
+    (ADJUSTED + GREEDY, "truncated"),
 ])
 def test_tokens_equal_the_host_samplers_step_after_step(kinds: list[dict], variant: str) -> None:
-    host_rows, device_rows = _rows(kinds, 7), _rows(kinds, 7)
+    """Each row's output grows by its token; every 7th step only the host samples (as when a neighbour asks
+    for logprobs), so the device's per-request penalty state is stale after it and must be filled again."""
+    outputs = [[3] for _ in kinds]
+    host_rows, device_rows = _rows(kinds, 7, outputs), _rows(kinds, 7, outputs)
+    adjusted = any(k.keys() & {"repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
+                               "min_tokens"} for k in kinds)
     assert variant_of(device_rows, VOCAB) == variant
-    host = Sampler(VOCAB, eos_token_ids=[0])
-    device = DeviceSampler(len(kinds) + 3, VOCAB, torch.device("cpu"))
+    host = Sampler(VOCAB, eos_token_ids=[0, 1])
+    device = DeviceSampler(len(kinds) + 3, VOCAB, torch.device("cpu"), eos_token_ids=[0, 1])
     compared = 0
     for step in range(40):
         logits = _logits(len(kinds), step)
+        logits[:, [0, 1, 11, 12]] += 4.0  # EOS and stop ids likely, so the min_tokens mask matters
         expected = host.sample(logits, host_rows)
-        device.stage(device_rows)
-        got = device.sample(torch.cat([logits, torch.zeros(len(kinds), 5)], 1), variant).tolist()  # padded vocab
         assert not expected.failed
-        assert got == expected.token_ids, f"step {step}"
-        compared += len(got)
-    assert compared == 40 * len(kinds)
+        if step % 7 == 6:
+            for row in device_rows:  # the host's draw: consume the device rows' generators alike
+                if row.params.temperature >= 1e-5:
+                    torch.rand(1, generator=row.generator)
+        else:
+            device.stage(device_rows)
+            padded = torch.cat([logits, torch.zeros(len(kinds), 5)], 1)  # logits past the vocabulary are padding
+            got = device.sample(padded, variant, adjusted)
+            if adjusted:
+                device.record(got)
+            assert got.tolist() == expected.token_ids, f"step {step}"
+            compared += len(got)
+        for out, token in zip(outputs, expected.token_ids):
+            out.append(token)
+    assert compared == 35 * len(kinds)
+    if adjusted:
+        assert device.logit_state is not None
+        fills = device.logit_state.num_fills
+        assert len(ADJUSTED) * 5 <= fills <= len(ADJUSTED) * 6  # first step, then after each host-only step
 
 
 def test_a_seeded_row_draws_the_same_token_alone_and_among_others() -> None:
@@ -96,13 +128,16 @@ def test_rows_whose_logits_are_not_finite_come_back_as_minus_one() -> None:
     assert tokens[3] == host.token_ids[3] >= 0  # the finite neighbour is unaffected
 
 
+@pytest.mark.parametrize("adjusted", [False, True])
 @pytest.mark.parametrize("variant", ["greedy", "random", "truncated"])
-def test_sampling_reads_nothing_back_from_the_device(variant: str) -> None:
+def test_sampling_reads_nothing_back_from_the_device(variant: str, adjusted: bool) -> None:
     """On `meta` tensors every value read (`.item()`, `.tolist()`, `if tensor`) raises: the sampler runs
     there, so a CUDA graph can record it and no step waits for the device before the next is queued."""
-    device = DeviceSampler(16, VOCAB, torch.device("meta"))
-    device.stage(_rows(TRUNCATED + RANDOM, 1))
-    tokens = device.sample(torch.empty(16, VOCAB + 4, device="meta"), variant)  # type: ignore[arg-type]
+    device = DeviceSampler(16, VOCAB, torch.device("meta"), eos_token_ids=[0])
+    device.stage(_rows((ADJUSTED if adjusted else []) + TRUNCATED + RANDOM, 1)[:16])
+    tokens = device.sample(torch.empty(16, VOCAB + 4, device="meta"), variant, adjusted)  # type: ignore[arg-type]
+    if adjusted:
+        device.record(tokens)
     assert tokens.shape == (16,) and tokens.dtype == torch.long and tokens.device.type == "meta"
     with pytest.raises(Exception):  # noqa: B017 - the check above means something only if reads raise here
         tokens.tolist()
@@ -127,28 +162,30 @@ def test_drawn_frequencies_follow_top_k_then_top_p() -> None:
         assert abs(counts[token].item() - len(rows) * p) < 4 * sd, (token, counts[token].item(), len(rows) * p)
 
 
-def test_rows_that_read_more_than_their_draw_stay_on_the_host() -> None:
+def test_only_rows_that_ask_for_logprobs_stay_on_the_host() -> None:
     def row(**kw) -> SamplingRow:
         return SamplingRow(SamplingParams(**kw), [1], [2])
 
-    assert device_samplable(row(temperature=0.7, top_p=0.9, min_p=0.1, top_k=4, seed=3))
-    assert device_samplable(row(temperature=0.0))
-    for kw in (dict(logprobs=2), dict(repetition_penalty=1.2), dict(presence_penalty=0.5),
-               dict(frequency_penalty=0.5), dict(logit_bias={5: 2.0}), dict(min_tokens=4)):
-        assert not device_samplable(row(**kw)), kw
+    for kw in (dict(temperature=0.7, top_p=0.9, min_p=0.1, top_k=4, seed=3), dict(temperature=0.0),
+               dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
+               dict(logit_bias={5: 2.0}), dict(min_tokens=4)):
+        assert device_samplable(row(**kw)), kw
+    assert not device_samplable(row(logprobs=2)) and not device_samplable(row(temperature=0.0, logprobs=0))
 
 
 async def test_a_seeded_request_gets_the_same_tokens_whichever_sampler_draws_its_steps(
     tiny_model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Decode steps at fixed shapes (as CUDA graphs replay them; eager here) draw on the device; while the
-    penalised request is in the batch its steps go to the host sampler instead, so the other requests'
-    streams cross from one sampler to the other mid-request. Every output equals the run where the host
-    sampler draws every step."""
+    request asking for logprobs is in the batch its steps go to the host sampler instead, so the other
+    requests' streams (penalties and biases included) cross from one sampler to the other mid-request.
+    Every output equals the run where the host sampler draws every step."""
     monkeypatch.setattr(paged, "decode_graph_mode", lambda config, device: "eager")
-    requests = [dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=1.0, seed=2),
-                dict(temperature=1.2, top_k=8, min_p=0.05, seed=3), dict(temperature=0.0),
-                dict(temperature=0.9, seed=4, repetition_penalty=1.3, max_tokens=5)]
+    requests = [dict(temperature=0.8, top_p=0.9, seed=1, repetition_penalty=1.3),
+                dict(temperature=1.0, seed=2, frequency_penalty=0.7, presence_penalty=0.4),
+                dict(temperature=1.2, top_k=8, min_p=0.05, seed=3, logit_bias={100: 3.0}),
+                dict(temperature=0.0, repetition_penalty=1.8, min_tokens=20),
+                dict(temperature=0.9, seed=4, logprobs=2, max_tokens=5)]
 
     async def run_together() -> tuple[list[list[int]], dict]:
         async with Engine(tiny_model, num_kv_blocks=128, max_num_seqs=8) as engine:

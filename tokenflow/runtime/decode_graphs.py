@@ -16,7 +16,9 @@ into one pinned buffer and copied to the device in one transfer; the graph reads
 When every row of a step can be sampled on the device (`device_sampler.device_rows`), the graph also
 draws the tokens (`DeviceSampler`, whose parameters and uniforms are staged the same way) and only the
 rows' token ids come back, not `[rows, vocab]` logits. Each (batch, context) bucket then has a graph per
-sampling variant: "logits" (the host samples), "greedy", "random", "truncated" (top_k / top_p).
+sampling variant: "logits" (the host samples), "greedy", "random", "truncated" (top_k / top_p), each also
+with the rows' logit adjustments (bias, min_tokens, penalties) applied first; after such a step the drawn
+tokens are counted into the rows' penalty state by a few kernels outside the graph.
 
 Every (batch, context) bucket's "logits" graph is captured at start, largest first, into one shared
 memory pool (graphs of one engine never run at the same time); a sampling variant's when a step first
@@ -41,7 +43,7 @@ from tokenflow.protocols import DeviceTokens
 from tokenflow.runtime.attention.layer import LayerAttention
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, sdpa_backends
 from tokenflow.runtime.attention.static_decode import StaticDecode
-from tokenflow.runtime.device_sampler import DeviceSampler, Variant, variant_of
+from tokenflow.runtime.device_sampler import DeviceSampler, Variant, adjusts_any, variant_of
 
 if TYPE_CHECKING:
     from tokenflow.runtime.fused_layers import FusedDecoder
@@ -53,7 +55,9 @@ __all__ = ("MIN_CONTEXT_BLOCKS", "DecodeGraphs", "context_buckets")
 log = logging.getLogger("tokenflow")
 
 MIN_CONTEXT_BLOCKS = 8  # the smallest context bucket: shorter contexts share one graph
-StepKind = Variant | Literal["logits"]  # what a graph returns: logits, or tokens drawn with that variant
+# what a graph returns: logits, or tokens drawn with that variant (with the rows' logit adjustments or not)
+StepKind = tuple[Variant | Literal["logits"], bool]
+LOGITS: StepKind = ("logits", False)
 
 
 def context_buckets(max_blocks: int) -> list[int]:
@@ -75,6 +79,7 @@ class DecodeGraphs:
     def __init__(
         self, decoder: FusedDecoder, kv_cache: KVCache, *, batch_sizes: list[int], max_model_len: int,
         scratch_block: int, capture: bool, attention: LayerAttention, vocab_size: int,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.decoder = decoder
         self.attention = attention  # the runner's (KV write + the fixed-shape decode)
@@ -97,7 +102,7 @@ class DecodeGraphs:
         self.table = self._device[4 * rows:].view(rows, blocks)
         self.rows = torch.arange(rows, device=device)
         self.key_positions = torch.arange(blocks * self.block_size, device=device)
-        self.sampler = DeviceSampler(rows, vocab_size, device)
+        self.sampler = DeviceSampler(rows, vocab_size, device, eos_token_ids)
         self._graphs: dict[tuple[int, int, StepKind], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self._pool: tuple[int, int] | None = None  # one memory pool shared by every graph
         self.capture_disabled_by_oom = False
@@ -121,13 +126,14 @@ class DecodeGraphs:
         n = len(chunks)
         rows = _bucket(n, self.batch_sizes)
         blocks = _bucket(max(-(-(c.start_pos + 1) // self.block_size) for c in chunks), self.context_sizes)
-        kind: StepKind = "logits" if sampling is None else variant_of(sampling, self.sampler.vocab_size)
+        kind = LOGITS
+        if sampling is not None:
+            kind = (variant_of(sampling, self.sampler.vocab_size), adjusts_any(sampling))
+            self.sampler.stage(sampling)  # before a capture: the first adjusted step makes the state it reads
+            self.num_device_sampled += 1
         if self.capture and (rows, blocks, kind) not in self._graphs:
             self._capture_bucket(rows, blocks, kind)
         self._stage(chunks, rows)
-        if sampling is not None:
-            self.sampler.stage(sampling)
-            self.num_device_sampled += 1
         self.num_steps += 1
         graph, out = self._graphs.get((rows, blocks, kind), (None, None))
         if graph is not None and out is not None:
@@ -137,6 +143,8 @@ class DecodeGraphs:
                 out = self._step(rows, blocks, kind)
         if sampling is None:
             return out[:n].cpu()  # a copy: the next replay overwrites `out`; it waits for the graph
+        if kind[1]:
+            self.sampler.record(out)
         return DeviceTokens(out[:n].tolist())
 
     def _stage(self, chunks: Sequence[SeqChunk], rows: int) -> None:
@@ -185,7 +193,8 @@ class DecodeGraphs:
     def _step(self, rows: int, blocks: int, kind: StepKind) -> torch.Tensor:
         """What the graph of `kind` returns: the logits, or the tokens drawn from them on the device."""
         logits = self._forward(rows, blocks)
-        return logits if kind == "logits" else self.sampler.sample(logits, kind)
+        variant, adjusted = kind
+        return logits if variant == "logits" else self.sampler.sample(logits, variant, adjusted)
 
     # -------------------------------------------------------------- capture
     def release(self) -> None:
@@ -206,8 +215,8 @@ class DecodeGraphs:
         self._device.copy_(self._host)
         for rows in reversed(self.batch_sizes):
             for blocks in reversed(self.context_sizes):
-                self._graphs[(rows, blocks, "logits")] = self._capture(
-                    lambda r=rows, b=blocks: self._step(r, b, "logits"), self._pool)
+                self._graphs[(rows, blocks, LOGITS)] = self._capture(
+                    lambda r=rows, b=blocks: self._step(r, b, LOGITS), self._pool)
         torch.cuda.synchronize(self.kv_cache.device)
         self.capture_seconds = time.perf_counter() - started
         log.info("CUDA graphs: %d decode buckets captured in %.1f s (batch %s x context blocks %s)",

@@ -5,15 +5,15 @@ for the device and then the device wait for the host. Here the sampling is tenso
 no `.tolist()`, no branch on device values), so it can be recorded in the same CUDA graph as the forward
 (`DecodeGraphs`) and only `rows` token ids come back.
 
-Same semantics as `Sampler` for the rows it takes (`device_samplable`): greedy argmax (first of ties),
-temperature, min_p, top_k (ties at the k-th value kept), top_p over the renormalised top-k set, then one
-uniform per drawn row inverted through its CDF in token order. The uniform is drawn on the host from the
-request's own generator (`sampler.draw_uniforms`), exactly as `Sampler` draws it, and staged with the
-row's parameters: a seeded request gets the same tokens whichever of the two samples a step. Rows whose
-logits are not finite come back as -1 (`DeviceTokens`).
+Same semantics as `Sampler` for the rows it takes (`device_samplable`): logit_bias, the min_tokens mask and
+the repetition, frequency and presence penalties first (`DeviceLogitState`: per-request rows kept on the
+device), then greedy argmax (first of ties), or temperature, min_p, top_k (ties at the k-th value kept),
+top_p over the renormalised top-k set, and one uniform per drawn row inverted through its CDF in token
+order. The uniform is drawn on the host from the request's own generator (`sampler.draw_uniforms`), exactly
+as `Sampler` draws it, and staged with the row's parameters: a seeded request gets the same tokens whichever
+of the two samples a step. Rows whose logits are not finite come back as -1 (`DeviceTokens`).
 
-Rows that read more of their logits (logprobs, penalties, logit_bias, min_tokens, a grammar's mask, drafts
-to verify) stay on the host sampler.
+Rows that read more of their logits (logprobs, a grammar's mask, drafts to verify) stay on the host sampler.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from tokenflow.runtime.device_logit_state import DeviceLogitState
 from tokenflow.runtime.sampler import GREEDY_EPS, SamplingRow, adjusts_logits, draw_uniforms, inverse_cdf, row_of
 
 if TYPE_CHECKING:
     from tokenflow.protocols import StepPlan
 
-__all__ = ("DeviceSampler", "Variant", "device_rows", "device_samplable", "variant_of")
+__all__ = ("DeviceSampler", "Variant", "adjusts_any", "device_rows", "device_samplable", "variant_of")
 
 Variant = Literal["greedy", "random", "truncated"]  # what work a step's rows need; one graph each
 
@@ -38,10 +39,10 @@ _FIELDS = 6  # temperature (1 for greedy rows), greedy flag, top_k (0: none), to
 
 
 def device_samplable(row: SamplingRow) -> bool:
-    """Whether the device sampler draws this row's token as `Sampler` would: no logprobs, and nothing that
-    adjusts its logits before the draw (logit_bias, min_tokens, penalties). Grammars and drafts belong to
-    the step, not the row: the caller checks them."""
-    return row.params.logprobs is None and not adjusts_logits(row)
+    """Whether the device sampler draws this row's token as `Sampler` would: everything but logprobs (the
+    host reads them from the logits). Grammars and drafts belong to the step, not the row: the caller checks
+    them."""
+    return row.params.logprobs is None
 
 
 def device_rows(plan: StepPlan) -> list[SamplingRow] | None:
@@ -73,13 +74,22 @@ def variant_of(rows: Sequence[SamplingRow], vocab: int) -> Variant:
     return "truncated" if any(_truncates(r, vocab) for r in drawn) else "random"
 
 
+def adjusts_any(rows: Sequence[SamplingRow]) -> bool:
+    """Whether some row's logits are adjusted before its draw (the graphs with `DeviceLogitState`)."""
+    return any(adjusts_logits(r) for r in rows)
+
+
 class DeviceSampler:
     """Per-row parameters staged in one pinned buffer and copied in one transfer; `sample` is device work
     only. One per `DecodeGraphs`: graphs read its device buffer, so it is never reallocated."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, eos_token_ids: Sequence[int] = ()
+                 ) -> None:
         self.max_rows = max_rows
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.device = device
+        self.logit_state: DeviceLogitState | None = None  # made on the first step with adjusted rows
         self._host = torch.zeros(_FIELDS * max_rows, dtype=torch.float32, pin_memory=device.type == "cuda")
         self._host_np = self._host.numpy()
         self._device = torch.zeros(_FIELDS * max_rows, dtype=torch.float32, device=device)
@@ -88,8 +98,13 @@ class DeviceSampler:
 
     def stage(self, rows: Sequence[SamplingRow]) -> None:
         """Write the rows' parameters and draw their uniforms (rows past `len(rows)` are greedy padding), then
-        start the copy to the device. The host buffer is free to rewrite once the step's tokens came back."""
+        start the copy to the device. The host buffer is free to rewrite once the step's tokens came back.
+        Rows with adjustments get their slot of `DeviceLogitState` (filled there first when stale)."""
         vocab = self.vocab_size
+        if adjusts_any(rows):
+            if self.logit_state is None:
+                self.logit_state = DeviceLogitState(self.max_rows, vocab, self.eos_token_ids, self.device)
+            self.logit_state.stage(rows)
         temperature, greedy, top_k, top_p, log_min_p, uniform = self._host_np.reshape(_FIELDS, self.max_rows)
         temperature[:] = 1.0
         greedy[:] = 1.0
@@ -109,11 +124,15 @@ class DeviceSampler:
             uniform[drawn] = draw_uniforms([rows[j] for j in drawn], torch.device("cpu")).numpy()
         self._device.copy_(self._host, non_blocking=True)
 
-    def sample(self, logits: torch.Tensor, variant: Variant) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, variant: Variant, adjusted: bool = False) -> torch.Tensor:
         """int64 token of each of `logits`' rows (`[rows, >= vocab]`, rows <= max_rows), -1 where the row's
-        logits (scaled by its temperature) are not finite. Device operations only: capturable in a graph."""
+        logits (adjusted, scaled by its temperature) are not finite. `adjusted`: the last `stage` had rows with
+        adjustments. Device operations only: capturable in a graph."""
         n = logits.shape[0]
         raw = logits[:, : self.vocab_size].float()
+        if adjusted:
+            assert self.logit_state is not None
+            raw = self.logit_state.apply(raw)
         best = raw.argmax(-1)
         greedy_bad = ~raw.gather(1, best[:, None]).squeeze(1).isfinite()  # NaN, +inf, or every logit -inf
         if variant == "greedy":
@@ -128,6 +147,13 @@ class DeviceSampler:
         drawn = inverse_cdf(s, self.uniform[:n], torch.empty_like(s))
         token = torch.where(greedy, best, drawn)
         return torch.where(torch.where(greedy, greedy_bad, drawn_bad), -1, token)
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """After a step with adjusted rows: count each drawn token in its row's slot (device work, outside
+        the graph, so that a graph's warm-up run counts nothing), and note it on the host."""
+        assert self.logit_state is not None
+        self.logit_state.record(tokens)
+        self.logit_state.stepped()
 
     def _truncate(self, s: torch.Tensor, n: int) -> torch.Tensor:
         """`s` with everything outside each row's top_k, then outside its top_p nucleus of what is left, at

@@ -245,7 +245,7 @@ class PagedBackend:
         self.runner.graphs = DecodeGraphs(
             self.runner.fused, kv_cache, batch_sizes=decode_buckets(self.config.max_num_seqs),
             max_model_len=ctx.max_model_len, scratch_block=self.scratch_block, capture=capture,
-            attention=self.runner.attention, vocab_size=ctx.vocab_size,
+            attention=self.runner.attention, vocab_size=ctx.vocab_size, eos_token_ids=sorted(ctx.eos_token_ids),
         )
         if not capture:
             return
