@@ -222,9 +222,11 @@ class GreedyTokens:
 @dataclass(frozen=True, slots=True)
 class DeviceTokens:
     """A step's tokens drawn on the model's device with each row's own parameters and uniform
-    (`runtime.device_sampler`), so only the ids came back; -1 where the row's logits were not finite."""
+    (`runtime.device_sampler`), so only the ids came back (and the logprobs rows asked for); -1 where the
+    row's logits were not finite."""
 
     token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None = None  # as `SamplerOutput.logprobs`
 
 
 @dataclass

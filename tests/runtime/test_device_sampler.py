@@ -18,7 +18,7 @@ import torch
 from tokenflow import Engine
 from tokenflow.params import SamplingParams
 from tokenflow.runtime.backends import paged
-from tokenflow.runtime.device_sampler import DeviceSampler, device_samplable, variant_of
+from tokenflow.runtime.device_sampler import DeviceSampler, logprobs_width, variant_of
 from tokenflow.runtime.sampler import Sampler, SamplingRow, make_generator
 
 VOCAB = 300
@@ -61,14 +61,17 @@ def _logits(rows: int, step: int) -> torch.Tensor:
     (RANDOM + GREEDY, "random"),
     (TRUNCATED + RANDOM + GREEDY, "truncated"),
     (ADJUSTED + GREEDY, "truncated"),
+    ([dict(temperature=0.0, logprobs=0), dict(temperature=0.9, logprobs=5), dict(temperature=1.0)], "random"),
+    ([dict(temperature=1.0, top_p=0.8, logprobs=2, repetition_penalty=1.4), *GREEDY], "truncated"),
 ])
 def test_tokens_equal_the_host_samplers_step_after_step(kinds: list[dict], variant: str) -> None:
     """Each row's output grows by its token; every 7th step only the host samples (as when a neighbour asks
     for logprobs), so the device's per-request penalty state is stale after it and must be filled again."""
     outputs = [[3] for _ in kinds]
     host_rows, device_rows = _rows(kinds, 7, outputs), _rows(kinds, 7, outputs)
-    adjusted = any(k.keys() & {"repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
-                               "min_tokens"} for k in kinds)
+    num_adjusted = sum(bool(k.keys() & {"repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
+                                        "min_tokens"}) for k in kinds)
+    adjusted = num_adjusted > 0
     assert variant_of(device_rows, VOCAB) == variant
     host = Sampler(VOCAB, eos_token_ids=[0, 1])
     device = DeviceSampler(len(kinds) + 3, VOCAB, torch.device("cpu"), eos_token_ids=[0, 1])
@@ -90,13 +93,24 @@ def test_tokens_equal_the_host_samplers_step_after_step(kinds: list[dict], varia
                 device.record(got)
             assert got.tolist() == expected.token_ids, f"step {step}"
             compared += len(got)
+            width = logprobs_width(device_rows)
+            if width >= 0:
+                chosen, top_v, top_i = (t.tolist() for t in device.logprobs(padded, got, width))
+                entries = device.token_logprobs(device_rows, got.tolist(), chosen, top_v, top_i)
+                assert expected.logprobs is not None and len(entries) == len(expected.logprobs)
+                for mine, theirs in zip(entries, expected.logprobs):
+                    assert (mine is None) == (theirs is None)
+                    if mine is not None and theirs is not None:
+                        assert mine.token_id == theirs.token_id and list(mine.top) == list(theirs.top)
+                        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-5)
+                        assert list(mine.top.values()) == pytest.approx(list(theirs.top.values()), abs=1e-5)
         for out, token in zip(outputs, expected.token_ids):
             out.append(token)
     assert compared == 35 * len(kinds)
     if adjusted:
         assert device.logit_state is not None
         fills = device.logit_state.num_fills
-        assert len(ADJUSTED) * 5 <= fills <= len(ADJUSTED) * 6  # first step, then after each host-only step
+        assert num_adjusted * 5 <= fills <= num_adjusted * 6  # the first step, then after each host-only step
 
 
 def test_a_seeded_row_draws_the_same_token_alone_and_among_others() -> None:
@@ -162,38 +176,30 @@ def test_drawn_frequencies_follow_top_k_then_top_p() -> None:
         assert abs(counts[token].item() - len(rows) * p) < 4 * sd, (token, counts[token].item(), len(rows) * p)
 
 
-def test_only_rows_that_ask_for_logprobs_stay_on_the_host() -> None:
-    def row(**kw) -> SamplingRow:
-        return SamplingRow(SamplingParams(**kw), [1], [2])
-
-    for kw in (dict(temperature=0.7, top_p=0.9, min_p=0.1, top_k=4, seed=3), dict(temperature=0.0),
-               dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
-               dict(logit_bias={5: 2.0}), dict(min_tokens=4)):
-        assert device_samplable(row(**kw)), kw
-    assert not device_samplable(row(logprobs=2)) and not device_samplable(row(temperature=0.0, logprobs=0))
 
 
 async def test_a_seeded_request_gets_the_same_tokens_whichever_sampler_draws_its_steps(
     tiny_model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Decode steps at fixed shapes (as CUDA graphs replay them; eager here) draw on the device; while the
-    request asking for logprobs is in the batch its steps go to the host sampler instead, so the other
-    requests' streams (penalties and biases included) cross from one sampler to the other mid-request.
-    Every output equals the run where the host sampler draws every step."""
+    JSON-constrained request is in the batch its steps go to the host sampler instead, so the other
+    requests' streams (penalties, biases and logprobs included) cross from one sampler to the other
+    mid-request. Every output equals the run where the host sampler draws every step."""
     monkeypatch.setattr(paged, "decode_graph_mode", lambda config, device: "eager")
     requests = [dict(temperature=0.8, top_p=0.9, seed=1, repetition_penalty=1.3),
                 dict(temperature=1.0, seed=2, frequency_penalty=0.7, presence_penalty=0.4),
                 dict(temperature=1.2, top_k=8, min_p=0.05, seed=3, logit_bias={100: 3.0}),
                 dict(temperature=0.0, repetition_penalty=1.8, min_tokens=20),
-                dict(temperature=0.9, seed=4, logprobs=2, max_tokens=5)]
+                dict(temperature=0.9, seed=4, logprobs=3),
+                dict(temperature=0.0, max_tokens=6, json_object=True)]
 
-    async def run_together() -> tuple[list[list[int]], dict]:
+    async def run_together() -> tuple[list, dict]:
         async with Engine(tiny_model, num_kv_blocks=128, max_num_seqs=8) as engine:
-            results: list[list[int]] = [[] for _ in requests]
+            results: list = [None] * len(requests)
 
             async def one(i: int) -> None:
                 params = {"max_tokens": 24, "ignore_eos": True, **requests[i]}
-                results[i] = (await engine.generate(f"prompt number {i}", **params)).token_ids
+                results[i] = await engine.generate(f"prompt number {i}", **params)
 
             async with anyio.create_task_group() as tg:
                 for i in range(len(requests)):
@@ -203,7 +209,12 @@ async def test_a_seeded_request_gets_the_same_tokens_whichever_sampler_draws_its
     on_device, stats = await run_together()
     monkeypatch.setattr(paged, "device_rows", lambda plan: None)
     on_host, host_stats = await run_together()
-    assert on_device == on_host
-    assert [len(t) for t in on_device] == [24, 24, 24, 24, 5]
+    assert [c.token_ids for c in on_device] == [c.token_ids for c in on_host]
+    assert [len(c.token_ids) for c in on_device[:5]] == [24] * 5 and 1 <= len(on_device[5].token_ids) <= 6
+    mine, theirs = on_device[4].logprobs, on_host[4].logprobs
+    assert mine is not None and theirs is not None and len(mine) == len(theirs) == 24
+    for a, b in zip(mine, theirs):
+        assert a.token_id == b.token_id and list(a.top) == list(b.top) and len(a.top) == 3
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
     assert stats["device_sampled_steps"] >= 15 and host_stats["device_sampled_steps"] == 0
     assert stats["fixed_shape_decode_steps"] >= 20

@@ -17,8 +17,9 @@ When every row of a step can be sampled on the device (`device_sampler.device_ro
 draws the tokens (`DeviceSampler`, whose parameters and uniforms are staged the same way) and only the
 rows' token ids come back, not `[rows, vocab]` logits. Each (batch, context) bucket then has a graph per
 sampling variant: "logits" (the host samples), "greedy", "random", "truncated" (top_k / top_p), each also
-with the rows' logit adjustments (bias, min_tokens, penalties) applied first; after such a step the drawn
-tokens are counted into the rows' penalty state by a few kernels outside the graph.
+with the rows' logit adjustments (bias, min_tokens, penalties) applied first, and with the top logprobs of a
+width some row asks for; after an adjusted step the drawn tokens are counted into the rows' penalty state by
+a few kernels outside the graph.
 
 Every (batch, context) bucket's "logits" graph is captured at start, largest first, into one shared
 memory pool (graphs of one engine never run at the same time); a sampling variant's when a step first
@@ -43,7 +44,7 @@ from tokenflow.protocols import DeviceTokens
 from tokenflow.runtime.attention.layer import LayerAttention
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, sdpa_backends
 from tokenflow.runtime.attention.static_decode import StaticDecode
-from tokenflow.runtime.device_sampler import DeviceSampler, Variant, adjusts_any, variant_of
+from tokenflow.runtime.device_sampler import DeviceSampler, Variant, adjusts_any, logprobs_width, variant_of
 
 if TYPE_CHECKING:
     from tokenflow.runtime.fused_layers import FusedDecoder
@@ -55,9 +56,11 @@ __all__ = ("MIN_CONTEXT_BLOCKS", "DecodeGraphs", "context_buckets")
 log = logging.getLogger("tokenflow")
 
 MIN_CONTEXT_BLOCKS = 8  # the smallest context bucket: shorter contexts share one graph
-# what a graph returns: logits, or tokens drawn with that variant (with the rows' logit adjustments or not)
-StepKind = tuple[Variant | Literal["logits"], bool]
-LOGITS: StepKind = ("logits", False)
+# what a graph returns: logits, or tokens drawn with that variant (after the rows' logit adjustments or not;
+# with that many top logprobs, -1 for none)
+StepKind = tuple[Variant | Literal["logits"], bool, int]
+LOGITS: StepKind = ("logits", False, -1)
+StepOut = torch.Tensor | tuple[torch.Tensor, ...]  # the logits, or the tokens (and their logprobs)
 
 
 def context_buckets(max_blocks: int) -> list[int]:
@@ -103,7 +106,7 @@ class DecodeGraphs:
         self.rows = torch.arange(rows, device=device)
         self.key_positions = torch.arange(blocks * self.block_size, device=device)
         self.sampler = DeviceSampler(rows, vocab_size, device, eos_token_ids)
-        self._graphs: dict[tuple[int, int, StepKind], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, StepKind], tuple[torch.cuda.CUDAGraph | None, StepOut]] = {}
         self._pool: tuple[int, int] | None = None  # one memory pool shared by every graph
         self.capture_disabled_by_oom = False
         self.capture_seconds = 0.0
@@ -128,7 +131,7 @@ class DecodeGraphs:
         blocks = _bucket(max(-(-(c.start_pos + 1) // self.block_size) for c in chunks), self.context_sizes)
         kind = LOGITS
         if sampling is not None:
-            kind = (variant_of(sampling, self.sampler.vocab_size), adjusts_any(sampling))
+            kind = (variant_of(sampling, self.sampler.vocab_size), adjusts_any(sampling), logprobs_width(sampling))
             self.sampler.stage(sampling)  # before a capture: the first adjusted step makes the state it reads
             self.num_device_sampled += 1
         if self.capture and (rows, blocks, kind) not in self._graphs:
@@ -142,10 +145,16 @@ class DecodeGraphs:
             with torch.inference_mode():
                 out = self._step(rows, blocks, kind)
         if sampling is None:
+            assert isinstance(out, torch.Tensor)
             return out[:n].cpu()  # a copy: the next replay overwrites `out`; it waits for the graph
+        assert isinstance(out, tuple)
         if kind[1]:
-            self.sampler.record(out)
-        return DeviceTokens(out[:n].tolist())
+            self.sampler.record(out[0])
+        tokens = out[0][:n].tolist()
+        if kind[2] < 0:
+            return DeviceTokens(tokens)
+        chosen, top_v, top_i = (t[:n].tolist() for t in out[1:])
+        return DeviceTokens(tokens, self.sampler.token_logprobs(sampling, tokens, chosen, top_v, top_i))
 
     def _stage(self, chunks: Sequence[SeqChunk], rows: int) -> None:
         """Pack the step's inputs (padding rows after the real ones) and copy them to the device at once.
@@ -190,11 +199,15 @@ class DecodeGraphs:
         with sdpa_backends(self.kv_cache.device):
             return self.decoder(ids, positions, self.rows[:rows], meta).float()
 
-    def _step(self, rows: int, blocks: int, kind: StepKind) -> torch.Tensor:
-        """What the graph of `kind` returns: the logits, or the tokens drawn from them on the device."""
+    def _step(self, rows: int, blocks: int, kind: StepKind) -> StepOut:
+        """What the graph of `kind` returns: the logits, or the tokens drawn from them on the device (and
+        their logprobs)."""
         logits = self._forward(rows, blocks)
-        variant, adjusted = kind
-        return logits if variant == "logits" else self.sampler.sample(logits, variant, adjusted)
+        variant, adjusted, width = kind
+        if variant == "logits":
+            return logits
+        tokens = self.sampler.sample(logits, variant, adjusted)
+        return (tokens,) if width < 0 else (tokens, *self.sampler.logprobs(logits, tokens, width))
 
     # -------------------------------------------------------------- capture
     def release(self) -> None:
@@ -238,8 +251,8 @@ class DecodeGraphs:
             self.capture = False
             self.capture_disabled_by_oom = True
 
-    def _capture(self, forward: Callable[[], torch.Tensor], pool: tuple[int, int]
-                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, forward: Callable[[], StepOut], pool: tuple[int, int]
+                 ) -> tuple[torch.cuda.CUDAGraph, StepOut]:
         stream = torch.cuda.Stream(self.kv_cache.device)
         stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
         with torch.cuda.stream(stream), torch.inference_mode():

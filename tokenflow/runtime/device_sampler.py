@@ -5,15 +5,17 @@ for the device and then the device wait for the host. Here the sampling is tenso
 no `.tolist()`, no branch on device values), so it can be recorded in the same CUDA graph as the forward
 (`DecodeGraphs`) and only `rows` token ids come back.
 
-Same semantics as `Sampler` for the rows it takes (`device_samplable`): logit_bias, the min_tokens mask and
+Same semantics as `Sampler`: logit_bias, the min_tokens mask and
 the repetition, frequency and presence penalties first (`DeviceLogitState`: per-request rows kept on the
 device), then greedy argmax (first of ties), or temperature, min_p, top_k (ties at the k-th value kept),
 top_p over the renormalised top-k set, and one uniform per drawn row inverted through its CDF in token
 order. The uniform is drawn on the host from the request's own generator (`sampler.draw_uniforms`), exactly
 as `Sampler` draws it, and staged with the row's parameters: a seeded request gets the same tokens whichever
-of the two samples a step. Rows whose logits are not finite come back as -1 (`DeviceTokens`).
+of the two samples a step. Rows whose logits are not finite come back as -1 (`DeviceTokens`). Logprobs
+(the chosen token's and the top `logprobs`, of the raw logits, as `Sampler` reports them) come back beside
+the tokens, `[rows, width]`, not `[rows, vocab]`.
 
-Rows that read more of their logits (logprobs, a grammar's mask, drafts to verify) stay on the host sampler.
+Steps with a grammar's mask, drafts to verify or prompt tokens to score stay on the host sampler.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from tokenflow.params import TokenLogprob
 from tokenflow.runtime.device_logit_state import DeviceLogitState
 from tokenflow.runtime.sampler import GREEDY_EPS, SamplingRow, adjusts_logits, draw_uniforms, inverse_cdf, row_of
 
 if TYPE_CHECKING:
     from tokenflow.protocols import StepPlan
 
-__all__ = ("DeviceSampler", "Variant", "adjusts_any", "device_rows", "device_samplable", "variant_of")
+__all__ = ("DeviceSampler", "Variant", "adjusts_any", "device_rows", "logprobs_width", "variant_of")
 
 Variant = Literal["greedy", "random", "truncated"]  # what work a step's rows need; one graph each
 
@@ -38,26 +41,21 @@ _NEG_INF = float("-inf")
 _FIELDS = 6  # temperature (1 for greedy rows), greedy flag, top_k (0: none), top_p, log(min_p), uniform
 
 
-def device_samplable(row: SamplingRow) -> bool:
-    """Whether the device sampler draws this row's token as `Sampler` would: everything but logprobs (the
-    host reads them from the logits). Grammars and drafts belong to the step, not the row: the caller checks
-    them."""
-    return row.params.logprobs is None
-
-
 def device_rows(plan: StepPlan) -> list[SamplingRow] | None:
     """The plan's sampling rows, one per chunk, when the device sampler can draw all of them: every chunk
-    samples, none verifies a draft, scores prompt tokens or follows a grammar, every row `device_samplable`.
-    None otherwise: the step's logits go to the host sampler."""
+    samples, and none verifies a draft, scores prompt tokens or follows a grammar. None otherwise: the
+    step's logits go to the host sampler."""
     rows = []
     for c in plan.chunks:
         if not c.samples or c.draft or c.num_prompt_logits or c.request.constraint is not None:
             return None
-        row = row_of(c.request)
-        if not device_samplable(row):
-            return None
-        rows.append(row)
+        rows.append(row_of(c.request))
     return rows or None
+
+
+def logprobs_width(rows: Sequence[SamplingRow]) -> int:
+    """How many top logprobs the step reports per row (the most any row asks for); -1 when none asks."""
+    return max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=-1)
 
 
 def _truncates(row: SamplingRow, vocab: int) -> bool:
@@ -147,6 +145,29 @@ class DeviceSampler:
         drawn = inverse_cdf(s, self.uniform[:n], torch.empty_like(s))
         token = torch.where(greedy, best, drawn)
         return torch.where(torch.where(greedy, greedy_bad, drawn_bad), -1, token)
+
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, width: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's chosen token's logprob and its top `width` (values, ids), of the raw logits (before any
+        adjustment or temperature, as `Sampler` reports them). Device operations only."""
+        raw = logits[:, : self.vocab_size].float()
+        max_l = raw.amax(-1)
+        log_z = (raw - max_l[:, None]).exp().sum(-1).log()
+        chosen = raw.gather(1, tokens.clamp(min=0)[:, None]).squeeze(1) - max_l - log_z
+        top_v, top_i = raw.topk(min(width, raw.shape[1]), -1)
+        return chosen, top_v - max_l[:, None] - log_z[:, None], top_i
+
+    @staticmethod
+    def token_logprobs(rows: Sequence[SamplingRow], tokens: list[int], chosen: list[float],
+                       top_v: list[list[float]], top_i: list[list[int]]) -> list[TokenLogprob | None]:
+        """`SamplerOutput.logprobs` of the step (host side): an entry for each row that asked and drew a token."""
+        out: list[TokenLogprob | None] = []
+        for j, row in enumerate(rows):
+            w = row.params.logprobs
+            ok = w is not None and tokens[j] >= 0
+            out.append(TokenLogprob(tokens[j], chosen[j], dict(zip(top_i[j][:w], top_v[j][:w], strict=True)))
+                       if ok else None)
+        return out
 
     def record(self, tokens: torch.Tensor) -> None:
         """After a step with adjusted rows: count each drawn token in its row's slot (device work, outside

@@ -139,7 +139,8 @@ class Sampler:
         row with non-finite logits gets from `sample`)."""
         self._drawn = None
         failed = {i: RowFailure(_NON_FINITE, model_fault=True) for i, t in enumerate(tokens.token_ids) if t < 0}
-        return SamplerOutput(list(tokens.token_ids), None, failed)
+        logprobs = tokens.logprobs if isinstance(tokens, DeviceTokens) else None
+        return SamplerOutput(list(tokens.token_ids), logprobs, failed)
 
     def redrawable(self, row: int) -> bool:
         """Whether `redraw` can draw row `row` of the last `sample` again (a row drawn at random without
