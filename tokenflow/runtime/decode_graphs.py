@@ -124,7 +124,7 @@ class DecodeGraphs:
     def run(self, chunks: Sequence[SeqChunk], sampling: Sequence[SamplingRow] | None = None
             ) -> torch.Tensor | DeviceTokens:
         """float32 logits `[len(chunks), vocab]` on the CPU, of a step that `fits`; with `sampling` (chunk
-        i's row is `sampling[i]`, each `device_samplable`), the rows' tokens drawn on the device instead.
+        i's row is `sampling[i]`), the rows' tokens (and asked-for logprobs) drawn on the device instead.
         After the KV cache changed (`release`), each bucket is captured again when a step first needs it."""
         n = len(chunks)
         rows = _bucket(n, self.batch_sizes)

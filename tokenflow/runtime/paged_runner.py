@@ -327,7 +327,7 @@ class PagedModelRunner:
         """One forward over `chunks`; returns float32 logits `[rows, vocab]` on the CPU (the sampler runs
         there): `num_logits` rows per sampling chunk, in chunk order. With `greedy` (each chunk samples one
         row, its argmax, and nothing else reads its logits), the rows' tokens where the fused layers' greedy
-        head settles them. With `sampling` (chunk i's row, each `device_samplable`), a step of the fixed-shape
+        head settles them. With `sampling` (chunk i's sampling row), a step of the fixed-shape
         decode draws its tokens on the device."""
         if self.graphs is not None and self.graphs.fits(chunks):
             return self.graphs.run(chunks, sampling)
