@@ -91,6 +91,7 @@ def test_tokens_equal_the_host_samplers_step_after_step(kinds: list[dict], varia
             got = device.sample(padded, variant, adjusted)
             if adjusted:
                 device.record(got)
+                device.recorded()
             assert got.tolist() == expected.token_ids, f"step {step}"
             compared += len(got)
             width = logprobs_width(device_rows)

@@ -17,9 +17,8 @@ When every row of a step can be sampled on the device (`device_sampler.device_ro
 draws the tokens (`DeviceSampler`, whose parameters and uniforms are staged the same way) and only the
 rows' token ids come back, not `[rows, vocab]` logits. Each (batch, context) bucket then has a graph per
 sampling variant: "logits" (the host samples), "greedy", "random", "truncated" (top_k / top_p), each also
-with the rows' logit adjustments (bias, min_tokens, penalties) applied first, and with the top logprobs of a
-width some row asks for; after an adjusted step the drawn tokens are counted into the rows' penalty state by
-a few kernels outside the graph.
+with the rows' logit adjustments (bias, min_tokens, penalties) applied first and the drawn tokens counted
+into the rows' penalty state last, and with the top logprobs of a width some row asks for.
 
 Every (batch, context) bucket's "logits" graph is captured at start, largest first, into one shared
 memory pool (graphs of one engine never run at the same time); a sampling variant's when a step first
@@ -148,9 +147,9 @@ class DecodeGraphs:
             assert isinstance(out, torch.Tensor)
             return out[:n].cpu()  # a copy: the next replay overwrites `out`; it waits for the graph
         assert isinstance(out, tuple)
-        if kind[1]:
-            self.sampler.record(out[0])
         tokens = out[0][:n].tolist()
+        if kind[1]:
+            self.sampler.recorded()
         if kind[2] < 0:
             return DeviceTokens(tokens)
         chosen, top_v, top_i = (t[:n].tolist() for t in out[1:])
@@ -199,14 +198,17 @@ class DecodeGraphs:
         with sdpa_backends(self.kv_cache.device):
             return self.decoder(ids, positions, self.rows[:rows], meta).float()
 
-    def _step(self, rows: int, blocks: int, kind: StepKind) -> StepOut:
+    def _step(self, rows: int, blocks: int, kind: StepKind, record: bool = True) -> StepOut:
         """What the graph of `kind` returns: the logits, or the tokens drawn from them on the device (and
-        their logprobs)."""
+        their logprobs). `record`: count adjusted rows' tokens into their penalty state (not in a capture's
+        warm-up run, which would count them once more)."""
         logits = self._forward(rows, blocks)
         variant, adjusted, width = kind
         if variant == "logits":
             return logits
         tokens = self.sampler.sample(logits, variant, adjusted)
+        if adjusted and record:
+            self.sampler.record(tokens)
         return (tokens,) if width < 0 else (tokens, *self.sampler.logprobs(logits, tokens, width))
 
     # -------------------------------------------------------------- capture
@@ -229,7 +231,7 @@ class DecodeGraphs:
         for rows in reversed(self.batch_sizes):
             for blocks in reversed(self.context_sizes):
                 self._graphs[(rows, blocks, LOGITS)] = self._capture(
-                    lambda r=rows, b=blocks: self._step(r, b, LOGITS), self._pool)
+                    lambda record, r=rows, b=blocks: self._step(r, b, LOGITS, record), self._pool)
         torch.cuda.synchronize(self.kv_cache.device)
         self.capture_seconds = time.perf_counter() - started
         log.info("CUDA graphs: %d decode buckets captured in %.1f s (batch %s x context blocks %s)",
@@ -243,7 +245,8 @@ class DecodeGraphs:
         self._pad(0, self.max_rows)
         self._device.copy_(self._host)
         try:
-            self._graphs[(rows, blocks, kind)] = self._capture(lambda: self._step(rows, blocks, kind), self._pool)
+            self._graphs[(rows, blocks, kind)] = self._capture(
+                lambda record: self._step(rows, blocks, kind, record), self._pool)
         except torch.OutOfMemoryError:
             log.warning("out of memory capturing a CUDA graph for %d rows x %d blocks (%s): decode steps run "
                         "without graphs from now on", rows, blocks, kind)
@@ -251,16 +254,16 @@ class DecodeGraphs:
             self.capture = False
             self.capture_disabled_by_oom = True
 
-    def _capture(self, forward: Callable[[], StepOut], pool: tuple[int, int]
+    def _capture(self, step: Callable[[bool], StepOut], pool: tuple[int, int]
                  ) -> tuple[torch.cuda.CUDAGraph, StepOut]:
         stream = torch.cuda.Stream(self.kv_cache.device)
         stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
         with torch.cuda.stream(stream), torch.inference_mode():
-            forward()  # warm-up outside the graph: lazy initialisation (cuBLAS handles, workspaces)
+            step(False)  # warm-up outside the graph: lazy initialisation (cuBLAS handles, workspaces)
         torch.cuda.current_stream(self.kv_cache.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-            out = forward()
+            out = step(True)
         return graph, out
 
     def stats(self) -> dict[str, float | int]:

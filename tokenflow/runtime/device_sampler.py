@@ -170,10 +170,14 @@ class DeviceSampler:
         return out
 
     def record(self, tokens: torch.Tensor) -> None:
-        """After a step with adjusted rows: count each drawn token in its row's slot (device work, outside
-        the graph, so that a graph's warm-up run counts nothing), and note it on the host."""
+        """In a step with adjusted rows, after the draw: count each drawn token in its row's slot (device
+        work, in the step's graph)."""
         assert self.logit_state is not None
         self.logit_state.record(tokens)
+
+    def recorded(self) -> None:
+        """Once such a step's tokens came back: note on the host that each slot holds one more token."""
+        assert self.logit_state is not None
         self.logit_state.stepped()
 
     def _truncate(self, s: torch.Tensor, n: int) -> torch.Tensor:
