@@ -225,6 +225,7 @@ async def _engine_pass(model: str, device: str, prompts: list[list[int]], concur
         stats = engine.stats()
     result["decode_step_ms_by_batch"] = stats.get("decode_step_ms_by_batch", {})
     result["fixed_shape_decode_steps"] = stats.get("fixed_shape_decode_steps", 0)
+    result["device_sampled_steps"] = stats.get("device_sampled_steps", 0)
     return result
 
 
@@ -234,7 +235,8 @@ def _report_pass(name: str, result: dict[str, Any], concurrency: int) -> None:
     report(name, f"{result['req_per_s']:.2f} req/s, {result['out_tok_per_s']:.0f} tok/s, "
                  f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms; decode step at batch {concurrency}: "
                  f"{step.get('step', float('nan')):.2f} ms (forward {step.get('forward', float('nan')):.2f}); "
-                 f"{result['fixed_shape_decode_steps']} steps at fixed shapes")
+                 f"{result['fixed_shape_decode_steps']} steps at fixed shapes, "
+                 f"{result['device_sampled_steps']} of them sampled on the device")
 
 
 SPEED_VARIANTS: dict[str, dict[str, Any]] = {
