@@ -219,3 +219,19 @@ async def test_a_seeded_request_gets_the_same_tokens_whichever_sampler_draws_its
         assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
     assert stats["device_sampled_steps"] >= 15 and host_stats["device_sampled_steps"] == 0
     assert stats["fixed_shape_decode_steps"] >= 20
+
+
+def test_a_failed_step_leaves_no_phantom_token_in_the_penalty_state() -> None:
+    """The step's graph counted its drawn token, then the step failed, so the request never took the token:
+    its slot is filled again from the host's view before the next draw, which equals the host sampler's."""
+    outputs = [[3]]
+    kinds = [dict(temperature=0.0, frequency_penalty=2.0, presence_penalty=2.0)]
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7], logits[0, 8] = 5.0, 4.5  # token 7 wins unless a phantom count of it takes 4 off
+    device = DeviceSampler(2, VOCAB, torch.device("cpu"))
+    device.stage(_rows(kinds, 5, outputs))
+    device.record(device.sample(logits, "greedy", adjusted=True))
+    device.forget_staged()
+    device.stage(_rows(kinds, 5, outputs))
+    expected = Sampler(VOCAB, eos_token_ids=[0]).sample(logits, _rows(kinds, 5, outputs)).token_ids
+    assert device.sample(logits, "greedy", adjusted=True).tolist() == expected == [7]

@@ -138,11 +138,16 @@ class DecodeGraphs:
         self._stage(chunks, rows)
         self.num_steps += 1
         graph, out = self._graphs.get((rows, blocks, kind), (None, None))
-        if graph is not None and out is not None:
-            graph.replay()
-        else:
-            with torch.inference_mode():
-                out = self._step(rows, blocks, kind)
+        try:
+            if graph is not None and out is not None:
+                graph.replay()
+            else:
+                with torch.inference_mode():
+                    out = self._step(rows, blocks, kind)
+        except BaseException:
+            if kind[1]:
+                self.sampler.forget_staged()  # its penalty counts may hold a token no request took
+            raise
         if sampling is None:
             assert isinstance(out, torch.Tensor)
             return out[:n].cpu()  # a copy: the next replay overwrites `out`; it waits for the graph

@@ -76,6 +76,12 @@ class DeviceLogitState:
         for s in self._staged:
             self._synced[s] += 1
 
+    def forget_staged(self) -> None:
+        """The last staged step failed part-way: its slots may count a token no request took."""
+        for s in self._staged:
+            self._owner[s] = None
+        self._staged = []
+
     def apply(self, raw: torch.Tensor) -> torch.Tensor:
         """`raw` with each row's bias added, its stop tokens at -inf while min_tokens is not reached, then the
         repetition penalty on seen tokens and the frequency and presence penalties on its output's counts."""

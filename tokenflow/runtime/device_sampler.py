@@ -175,6 +175,11 @@ class DeviceSampler:
         assert self.logit_state is not None
         self.logit_state.record(tokens)
 
+    def forget_staged(self) -> None:
+        """A step with adjusted rows failed: their slots are filled again before they are read."""
+        assert self.logit_state is not None
+        self.logit_state.forget_staged()
+
     def recorded(self) -> None:
         """Once such a step's tokens came back: note on the host that each slot holds one more token."""
         assert self.logit_state is not None
