@@ -461,7 +461,7 @@ async def check_shapes(device: str, shapes: list[str], peers: list[str], dry_run
         RESULTS[f"shape {name}"] = r
         steps = "; ".join(
             f"b{b}: {d['step_ms_device_greedy']:.2f} ms ({d['tokens_per_s']:.0f} tok/s, {d['of_roofline']:.1%} "
-            f"of roofline; top-p {d['step_ms_device_top_p']:.2f}, host sampling {d['step_ms_host_sampling']:.2f})"
+            f"of roofline; top-p {d['step_ms_device_top_p']:.2f}, logits to the host {d['step_ms_logits_to_host']:.2f})"
             for b, d in r["decode"].items())
         pre = r["prefill"]
         line = (f"{r['parameters'] / 1e6:,.1f} M params; decode {steps}; prefill {pre['tokens']}: "

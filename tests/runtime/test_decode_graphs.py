@@ -135,3 +135,40 @@ def test_device_sampled_steps_draw_what_the_host_sampler_draws_from_their_logits
             s.tokens.append(token)
     assert variants == {"greedy", "random", "truncated"}
     assert graphs.num_device_sampled == 24 and graphs.num_steps == 48
+
+
+def test_a_sampling_graph_that_cannot_be_captured_leaves_sampling_to_the_host() -> None:
+    """A capture error in a sampling graph (any error, not only out of memory) turns device sampling off: the
+    step, and every later one, returns its logits for the host sampler instead of failing; uniforms are drawn
+    only for steps that do sample on the device, so seeded streams stay the host's."""
+    runner, pool, _ = _runner()
+    graphs = runner.graphs
+    assert graphs is not None
+    graphs.capture, graphs._pool = True, (0, 0)  # capture on demand, as on CUDA (the pool is never used here)
+    attempts = []
+
+    def capture(step, pool):  # eager stand-in: a sampling graph fails to capture, a logits graph "captures"
+        out = step(False)
+        attempts.append(type(out).__name__)
+        if isinstance(out, tuple):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return None, None
+
+    graphs._capture = capture  # type: ignore[method-assign]
+    seqs = [Seq(list(range(3 + 5 * i, 20 + 5 * i))) for i in range(3)]
+    runner.execute([s.chunk(pool, 64) for s in seqs])
+    for s in seqs:
+        s.tokens.append(5)
+    generator = make_generator(9)
+    rows = [SamplingRow(SamplingParams(temperature=0.8, seed=9), [], [], generator)] + [
+        SamplingRow(SamplingParams(temperature=0.0), [], [])] * 2
+    state = generator.get_state()
+    for step in range(3):
+        chunks = [s.chunk(pool, 1) for s in seqs]
+        out = runner.execute(chunks, sampling=rows)
+        assert isinstance(out, torch.Tensor) and out.shape == (3, 256), f"step {step}"
+        for s in seqs:
+            s.tokens.append(7)
+    assert attempts == ["tuple", "Tensor"]  # the sampling graph once, then the logits graph, never again
+    assert not graphs.device_sampling and "capturing" in graphs.stats()["device_sampling_error"]
+    assert graphs.num_device_sampled == 0 and torch.equal(generator.get_state(), state)  # no uniform drawn

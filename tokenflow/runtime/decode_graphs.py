@@ -111,6 +111,8 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         self.num_steps = 0  # steps run at fixed shapes (replayed, or eager without graphs)
         self.num_device_sampled = 0  # of those, steps whose tokens were drawn on the device
+        self.device_sampling = True  # off after a sampling graph could not be captured
+        self.device_sampling_error = ""
 
     # ----------------------------------------------------------------- step
     def fits(self, chunks: Sequence[SeqChunk]) -> bool:
@@ -129,12 +131,18 @@ class DecodeGraphs:
         rows = _bucket(n, self.batch_sizes)
         blocks = _bucket(max(-(-(c.start_pos + 1) // self.block_size) for c in chunks), self.context_sizes)
         kind = LOGITS
-        if sampling is not None:
+        if sampling is not None and self.device_sampling:
             kind = (variant_of(sampling, self.sampler.vocab_size), adjusts_any(sampling), logprobs_width(sampling))
-            self.sampler.stage(sampling)  # before a capture: the first adjusted step makes the state it reads
-            self.num_device_sampled += 1
+            if kind[1] and not self._prepare_adjustments():
+                kind = LOGITS
         if self.capture and (rows, blocks, kind) not in self._graphs:
-            self._capture_bucket(rows, blocks, kind)
+            kind = self._capture_bucket(rows, blocks, kind)
+        if kind == LOGITS:
+            sampling = None  # the host samples the logits
+        else:
+            assert sampling is not None
+            self.sampler.stage(sampling)  # the uniforms are drawn here, once the step is sure to sample here
+            self.num_device_sampled += 1
         self._stage(chunks, rows)
         self.num_steps += 1
         graph, out = self._graphs.get((rows, blocks, kind), (None, None))
@@ -144,20 +152,21 @@ class DecodeGraphs:
             else:
                 with torch.inference_mode():
                     out = self._step(rows, blocks, kind)
+            if sampling is None:
+                assert isinstance(out, torch.Tensor)
+                return out[:n].cpu()  # a copy: the next replay overwrites `out`; it waits for the graph
+            assert isinstance(out, tuple)
+            tokens = out[0][:n].tolist()  # waits for the graph: a device error shows here
+            logprobs = [t[:n].tolist() for t in out[1:]]
         except BaseException:
             if kind[1]:
                 self.sampler.forget_staged()  # its penalty counts may hold a token no request took
             raise
-        if sampling is None:
-            assert isinstance(out, torch.Tensor)
-            return out[:n].cpu()  # a copy: the next replay overwrites `out`; it waits for the graph
-        assert isinstance(out, tuple)
-        tokens = out[0][:n].tolist()
         if kind[1]:
             self.sampler.recorded()
         if kind[2] < 0:
             return DeviceTokens(tokens)
-        chosen, top_v, top_i = (t[:n].tolist() for t in out[1:])
+        chosen, top_v, top_i = logprobs
         return DeviceTokens(tokens, self.sampler.token_logprobs(sampling, tokens, chosen, top_v, top_i))
 
     def _stage(self, chunks: Sequence[SeqChunk], rows: int) -> None:
@@ -242,9 +251,21 @@ class DecodeGraphs:
         log.info("CUDA graphs: %d decode buckets captured in %.1f s (batch %s x context blocks %s)",
                  len(self._graphs), self.capture_seconds, self.batch_sizes, self.context_sizes)
 
-    def _capture_bucket(self, rows: int, blocks: int, kind: StepKind) -> None:
-        """Capture one bucket on demand; out of memory turns capturing off (steps run at fixed shapes,
-        eagerly) rather than failing the step."""
+    def _prepare_adjustments(self) -> bool:
+        """Make the penalty state a first adjusted step reads (before its graph is captured); out of memory turns
+        device sampling off rather than failing the step. False when it is off."""
+        try:
+            self.sampler.prepare_adjustments()
+        except torch.OutOfMemoryError:
+            self._device_sampling_off("out of memory for the penalty state")
+            return False
+        return True
+
+    def _capture_bucket(self, rows: int, blocks: int, kind: StepKind) -> StepKind:
+        """Capture one bucket on demand; returns the kind the step runs as. A sampling graph that cannot be
+        captured turns device sampling off (the step's logits go to the host, through the "logits" graph);
+        out of memory capturing a "logits" graph turns capturing off (steps run at fixed shapes, eagerly).
+        Neither fails the step."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         self._pad(0, self.max_rows)
@@ -252,12 +273,23 @@ class DecodeGraphs:
         try:
             self._graphs[(rows, blocks, kind)] = self._capture(
                 lambda record: self._step(rows, blocks, kind, record), self._pool)
-        except torch.OutOfMemoryError:
+        except Exception as exc:
+            if kind != LOGITS:
+                self._device_sampling_off(f"capturing a {kind} graph failed: {exc!r}")
+                return LOGITS if (rows, blocks, LOGITS) in self._graphs else self._capture_bucket(rows, blocks, LOGITS)
+            if not isinstance(exc, torch.OutOfMemoryError):
+                raise
             log.warning("out of memory capturing a CUDA graph for %d rows x %d blocks (%s): decode steps run "
                         "without graphs from now on", rows, blocks, kind)
             self.release()
             self.capture = False
             self.capture_disabled_by_oom = True
+        return kind
+
+    def _device_sampling_off(self, why: str) -> None:
+        log.warning("decode steps sample on the host from now on: %s", why)
+        self.device_sampling = False
+        self.device_sampling_error = why
 
     def _capture(self, step: Callable[[bool], StepOut], pool: tuple[int, int]
                  ) -> tuple[torch.cuda.CUDAGraph, StepOut]:
@@ -274,4 +306,5 @@ class DecodeGraphs:
     def stats(self) -> dict[str, float | int]:
         return {"cuda_graphs": len(self._graphs), "cuda_graph_capture_s": round(self.capture_seconds, 2),
                 "fixed_shape_decode_steps": self.num_steps, "device_sampled_steps": self.num_device_sampled,
-                "cuda_graphs_off_after_oom": self.capture_disabled_by_oom}
+                "cuda_graphs_off_after_oom": self.capture_disabled_by_oom,
+                **({"device_sampling_error": self.device_sampling_error} if self.device_sampling_error else {})}

@@ -98,10 +98,11 @@ class DeviceLogitState:
         """Count each row's drawn token in its slot (rows without adjustments write the empty slot, which is
         cleared again). Device operations only, in the step's graph."""
         n = tokens.shape[0]
-        slot = self.slot[:n].long()
-        token = tokens.clamp(min=0)  # a failed row's request fails: what its slot holds no longer matters
-        self.counts.index_put_((slot, token), torch.ones(n, device=tokens.device), accumulate=True)
-        self.seen.index_put_((slot, token), torch.ones(n, dtype=torch.bool, device=tokens.device))
+        # flat positions, and scatter rather than index_put_(accumulate=True), whose bounds check reads a
+        # device value back on some torch releases (no graph can hold that)
+        where = self.slot[:n].long() * self.vocab_size + tokens.clamp(min=0)  # a failed row's request fails
+        self.counts.view(-1).scatter_add_(0, where, torch.ones(n, device=tokens.device))
+        self.seen.view(-1).scatter_(0, where, torch.ones(n, dtype=torch.bool, device=tokens.device))
         self.counts[self.empty_slot].zero_()
         self.seen[self.empty_slot].zero_()
 
@@ -120,6 +121,7 @@ class DeviceLogitState:
         def ids(tokens: Collection[int]) -> torch.Tensor:
             return torch.tensor([t for t in tokens if 0 <= t < vocab], dtype=torch.long).to(dev, non_blocking=True)
 
+        self._owner[s] = None  # until the fill is whole
         bias = {t: b for t, b in (row.params.logit_bias or {}).items() if 0 <= t < vocab}
         self.bias[s].zero_()
         if bias:

@@ -100,8 +100,8 @@ class DeviceSampler:
         Rows with adjustments get their slot of `DeviceLogitState` (filled there first when stale)."""
         vocab = self.vocab_size
         if adjusts_any(rows):
-            if self.logit_state is None:
-                self.logit_state = DeviceLogitState(self.max_rows, vocab, self.eos_token_ids, self.device)
+            self.prepare_adjustments()
+            assert self.logit_state is not None
             self.logit_state.stage(rows)
         temperature, greedy, top_k, top_p, log_min_p, uniform = self._host_np.reshape(_FIELDS, self.max_rows)
         temperature[:] = 1.0
@@ -121,6 +121,11 @@ class DeviceSampler:
         if drawn:
             uniform[drawn] = draw_uniforms([rows[j] for j in drawn], torch.device("cpu")).numpy()
         self._device.copy_(self._host, non_blocking=True)
+
+    def prepare_adjustments(self) -> None:
+        """The per-request penalty state, made on the first step with adjusted rows (graphs read it from then on)."""
+        if self.logit_state is None:
+            self.logit_state = DeviceLogitState(self.max_rows, self.vocab_size, self.eos_token_ids, self.device)
 
     def sample(self, logits: torch.Tensor, variant: Variant, adjusted: bool = False) -> torch.Tensor:
         """int64 token of each of `logits`' rows (`[rows, >= vocab]`, rows <= max_rows), -1 where the row's
