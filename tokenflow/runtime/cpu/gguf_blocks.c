@@ -524,9 +524,6 @@ typedef struct {
     int8_t q[QK];     /* in the order the format's dot products read them (see quantize_rows) */
 } QuantizedX;
 
-/* Row x (k values, bf16) into k / QK blocks at `out`. Q4_K reads 128 values as two 64-byte vectors of codes: the
- * low nibbles of bytes 0..63 are values 0..31 and 64..95, the high ones 32..63 and 96..127, so its q holds each
- * 128 values in that order; Q6_K reads them in order. */
 /* n bf16 values into int8 codes q = round(x * 127 / max|x|); returns their scale d = max|x| / 127. */
 static float quantize_values(const uint16_t *x, int n, int8_t *q)
 {
@@ -542,6 +539,9 @@ static float quantize_values(const uint16_t *x, int n, int8_t *q)
     return amax / 127.f;
 }
 
+/* Row x (k values, bf16) into k / QK blocks at `out`. Q4_K reads 128 values as two 64-byte vectors of codes: the
+ * low nibbles of bytes 0..63 are values 0..31 and 64..95, the high ones 32..63 and 96..127, so its q holds each
+ * 128 values in that order; Q6_K reads them in order. */
 static void quantize_row(const int format, const uint16_t *x, int64_t k, QuantizedX *out)
 {
     for (int64_t b = 0; b < k / QK; ++b) {
