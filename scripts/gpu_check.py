@@ -44,6 +44,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import anyio
+import gpu_shapes  # beside this script
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: tests.test_oracle's helpers
@@ -68,11 +69,6 @@ async def attempt(name: str, check: Callable[[], Awaitable[None]]) -> None:
         report(name, f"FAILED: {type(exc).__name__}: {str(exc)[:300]}")
         RESULTS[name] = {"failed": repr(exc)[:2000]}
     print(f"[gpu_check] {name} took {time.perf_counter() - started:.1f} s", flush=True)
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 # -- 1. load ---------------------------------------------------------------------------------------
@@ -265,7 +261,7 @@ async def check_speed(model: str, device: str, requests: int, variants: list[str
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
         for result in _run_naive(SimpleNamespace(max_tokens=64), hf, prompts[: max(requests // 2, 1)], concurrencies):
             rows[f"naive c{result['concurrency']}"] = result
-        synchronize(device)
+        gpu_shapes.synchronize(device)
     for c in concurrencies:
         base = rows[f"{variants[0]} c{c}"]
         ratios = [f"{variants[0]}/{other} {base['req_per_s'] / rows[f'{other} c{c}']['req_per_s']:.2f}x req/s"
@@ -447,8 +443,6 @@ async def check_sampling(model: str, device: str) -> None:
 
 # -- 9. real-size shapes ----------------------------------------------------------------------------------
 async def check_shapes(device: str, shapes: list[str], peers: list[str], dry_run: bool) -> None:
-    import gpu_shapes
-
     dev = torch.device(device)
     limits = gpu_shapes.device_limits(dev, torch.bfloat16, dry_run)
     RESULTS["limits"] = limits

@@ -28,17 +28,16 @@ from typing import Any
 
 import torch
 
+from tokenflow.benchmarks.model_shapes import MODEL_SHAPES
+
+# `tokenflow bench --model-shape`'s shapes where it has them, with the model's own vocabulary size here
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": {
         "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
         "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
         "rms_norm_eps": 1e-5, "rope_theta": 100000, "max_position_embeddings": 8192, "tie_word_embeddings": True,
     },
-    "llama-3.2-1b": {
-        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000, "max_position_embeddings": 131072, "tie_word_embeddings": True,
-    },
+    "llama-3.2-1b": {**MODEL_SHAPES["llama-3.2-1b"], "vocab_size": 128256},
     "llama-3.1-8b": {
         "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
@@ -55,8 +54,9 @@ _DRY_RUN = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
 BLOCK = 16
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 

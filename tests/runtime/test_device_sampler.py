@@ -18,7 +18,7 @@ import torch
 from tokenflow import Engine
 from tokenflow.params import SamplingParams
 from tokenflow.runtime.backends import paged
-from tokenflow.runtime.device_sampler import DeviceSampler, logprobs_width, variant_of
+from tokenflow.runtime.device_sampler import DeviceSampler, draw_of, variant_of
 from tokenflow.runtime.sampler import Sampler, SamplingRow, make_generator
 
 VOCAB = 300
@@ -94,7 +94,7 @@ def test_tokens_equal_the_host_samplers_step_after_step(kinds: list[dict], varia
                 device.recorded()
             assert got.tolist() == expected.token_ids, f"step {step}"
             compared += len(got)
-            width = logprobs_width(device_rows)
+            width = draw_of(device_rows, VOCAB).logprobs
             if width >= 0:
                 chosen, top_v, top_i = (t.tolist() for t in device.logprobs(padded, got, width))
                 entries = device.token_logprobs(device_rows, got.tolist(), chosen, top_v, top_i)

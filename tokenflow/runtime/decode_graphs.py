@@ -16,15 +16,16 @@ into one pinned buffer and copied to the device in one transfer; the graph reads
 When every row of a step can be sampled on the device (`device_sampler.device_rows`), the graph also
 draws the tokens (`DeviceSampler`, whose parameters and uniforms are staged the same way) and only the
 rows' token ids come back, not `[rows, vocab]` logits. Each (batch, context) bucket then has a graph per
-sampling variant: "logits" (the host samples), "greedy", "random", "truncated" (top_k / top_p), each also
-with the rows' logit adjustments (bias, min_tokens, penalties) applied first and the drawn tokens counted
-into the rows' penalty state last, and with the top logprobs of a width some row asks for.
+sampling `Draw`: its variant ("greedy", "random", "truncated": top_k / top_p), with the rows' logit
+adjustments (bias, min_tokens, penalties) applied first and the drawn tokens counted into the rows' penalty
+state last or not, and with the top logprobs of a width some row asks for; and one that returns the logits
+(the host samples).
 
-Every (batch, context) bucket's "logits" graph is captured at start, largest first, into one shared
-memory pool (graphs of one engine never run at the same time); a sampling variant's when a step first
-needs it. Graphs point at the KV cache's tensors, so the
-backend drops them (`release`) before an out-of-memory shrink replaces those tensors; each bucket is
-then captured again when a step first needs it, and out of memory while capturing turns graphs off.
+Every (batch, context) bucket's logits graph is captured at start, largest first, into one shared
+memory pool (graphs of one engine never run at the same time); a draw's when a step first needs it.
+Graphs point at the KV cache's tensors, so the backend drops them (`release`) before an out-of-memory shrink
+replaces those tensors; each bucket is then captured again when a step first needs it, and out of memory
+while capturing turns graphs off.
 With `capture=False` the same fixed-shape path runs eagerly: that is how the CPU tests check its
 arithmetic against the dynamic path.
 """
@@ -34,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,7 +44,7 @@ from tokenflow.protocols import DeviceTokens
 from tokenflow.runtime.attention.layer import LayerAttention
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, sdpa_backends
 from tokenflow.runtime.attention.static_decode import StaticDecode
-from tokenflow.runtime.device_sampler import DeviceSampler, Variant, adjusts_any, logprobs_width, variant_of
+from tokenflow.runtime.device_sampler import DeviceSampler, Draw, draw_of
 
 if TYPE_CHECKING:
     from tokenflow.runtime.fused_layers import FusedDecoder
@@ -55,11 +56,7 @@ __all__ = ("MIN_CONTEXT_BLOCKS", "DecodeGraphs", "context_buckets")
 log = logging.getLogger("tokenflow")
 
 MIN_CONTEXT_BLOCKS = 8  # the smallest context bucket: shorter contexts share one graph
-# what a graph returns: logits, or tokens drawn with that variant (after the rows' logit adjustments or not;
-# with that many top logprobs, -1 for none)
-StepKind = tuple[Variant | Literal["logits"], bool, int]
-LOGITS: StepKind = ("logits", False, -1)
-StepOut = torch.Tensor | tuple[torch.Tensor, ...]  # the logits, or the tokens (and their logprobs)
+StepOut = torch.Tensor | tuple[torch.Tensor, ...]  # a graph's logits, or the tokens it drew (and their logprobs)
 
 
 def context_buckets(max_blocks: int) -> list[int]:
@@ -105,7 +102,8 @@ class DecodeGraphs:
         self.rows = torch.arange(rows, device=device)
         self.key_positions = torch.arange(blocks * self.block_size, device=device)
         self.sampler = DeviceSampler(rows, vocab_size, device, eos_token_ids)
-        self._graphs: dict[tuple[int, int, StepKind], tuple[torch.cuda.CUDAGraph | None, StepOut]] = {}
+        # (batch, context, the draw: None for the graph that returns logits) -> the graph and its output
+        self._graphs: dict[tuple[int, int, Draw | None], tuple[torch.cuda.CUDAGraph | None, StepOut]] = {}
         self._pool: tuple[int, int] | None = None  # one memory pool shared by every graph
         self.capture_disabled_by_oom = False
         self.capture_seconds = 0.0
@@ -130,14 +128,14 @@ class DecodeGraphs:
         n = len(chunks)
         rows = _bucket(n, self.batch_sizes)
         blocks = _bucket(max(-(-(c.start_pos + 1) // self.block_size) for c in chunks), self.context_sizes)
-        kind = LOGITS
+        draw = None
         if sampling is not None and self.device_sampling:
-            kind = (variant_of(sampling, self.sampler.vocab_size), adjusts_any(sampling), logprobs_width(sampling))
-            if kind[1] and not self._prepare_adjustments():
-                kind = LOGITS
-        if self.capture and (rows, blocks, kind) not in self._graphs:
-            kind = self._capture_bucket(rows, blocks, kind)
-        if kind == LOGITS:
+            draw = draw_of(sampling, self.sampler.vocab_size)
+            if draw.adjusted and not self._prepare_adjustments():
+                draw = None
+        if self.capture and (rows, blocks, draw) not in self._graphs:
+            draw = self._capture_bucket(rows, blocks, draw)
+        if draw is None:
             sampling = None  # the host samples the logits
         else:
             assert sampling is not None
@@ -145,26 +143,27 @@ class DecodeGraphs:
             self.num_device_sampled += 1
         self._stage(chunks, rows)
         self.num_steps += 1
-        graph, out = self._graphs.get((rows, blocks, kind), (None, None))
+        graph, out = self._graphs.get((rows, blocks, draw), (None, None))
         try:
             if graph is not None and out is not None:
                 graph.replay()
             else:
                 with torch.inference_mode():
-                    out = self._step(rows, blocks, kind)
-            if sampling is None:
+                    out = self._step(rows, blocks, draw)
+            if draw is None:
                 assert isinstance(out, torch.Tensor)
                 return out[:n].cpu()  # a copy: the next replay overwrites `out`; it waits for the graph
             assert isinstance(out, tuple)
             tokens = out[0][:n].tolist()  # waits for the graph: a device error shows here
             logprobs = [t[:n].tolist() for t in out[1:]]
         except BaseException:
-            if kind[1]:
+            if draw is not None and draw.adjusted:
                 self.sampler.forget_staged()  # its penalty counts may hold a token no request took
             raise
-        if kind[1]:
+        assert sampling is not None
+        if draw.adjusted:
             self.sampler.recorded()
-        if kind[2] < 0:
+        if draw.logprobs < 0:
             return DeviceTokens(tokens)
         chosen, top_v, top_i = logprobs
         return DeviceTokens(tokens, self.sampler.token_logprobs(sampling, tokens, chosen, top_v, top_i))
@@ -212,18 +211,19 @@ class DecodeGraphs:
         with sdpa_backends(self.kv_cache.device):
             return self.decoder(ids, positions, self.rows[:rows], meta).float()
 
-    def _step(self, rows: int, blocks: int, kind: StepKind, record: bool = True) -> StepOut:
-        """What the graph of `kind` returns: the logits, or the tokens drawn from them on the device (and
+    def _step(self, rows: int, blocks: int, draw: Draw | None, record: bool = True) -> StepOut:
+        """What the graph of `draw` returns: the logits (None), or the tokens drawn from them on the device (and
         their logprobs). `record`: count adjusted rows' tokens into their penalty state (not in a capture's
         warm-up run, which would count them once more)."""
         logits = self._forward(rows, blocks)
-        variant, adjusted, width = kind
-        if variant == "logits":
+        if draw is None:
             return logits
-        tokens = self.sampler.sample(logits, variant, adjusted)
-        if adjusted and record:
+        tokens = self.sampler.sample(logits, draw.variant, draw.adjusted)
+        if draw.adjusted and record:
             self.sampler.record(tokens)
-        return (tokens,) if width < 0 else (tokens, *self.sampler.logprobs(logits, tokens, width))
+        if draw.logprobs < 0:
+            return (tokens,)
+        return (tokens, *self.sampler.logprobs(logits, tokens, draw.logprobs))
 
     # -------------------------------------------------------------- capture
     def release(self) -> None:
@@ -235,7 +235,7 @@ class DecodeGraphs:
             torch.cuda.empty_cache()
 
     def capture_all(self) -> None:
-        """Capture every (batch, context) bucket's "logits" graph, largest first, into one memory pool."""
+        """Capture every (batch, context) bucket's logits graph, largest first, into one memory pool."""
         started = time.perf_counter()
         self._graphs.clear()
         torch.cuda.synchronize(self.kv_cache.device)
@@ -244,8 +244,8 @@ class DecodeGraphs:
         self._device.copy_(self._host)
         for rows in reversed(self.batch_sizes):
             for blocks in reversed(self.context_sizes):
-                self._graphs[(rows, blocks, LOGITS)] = self._capture(
-                    lambda record, r=rows, b=blocks: self._step(r, b, LOGITS, record), self._pool)
+                self._graphs[(rows, blocks, None)] = self._capture(
+                    lambda record, r=rows, b=blocks: self._step(r, b, None, record), self._pool)
         torch.cuda.synchronize(self.kv_cache.device)
         self.capture_seconds = time.perf_counter() - started
         log.info("CUDA graphs: %d decode buckets captured in %.1f s (batch %s x context blocks %s)",
@@ -261,30 +261,30 @@ class DecodeGraphs:
             return False
         return True
 
-    def _capture_bucket(self, rows: int, blocks: int, kind: StepKind) -> StepKind:
-        """Capture one bucket on demand; returns the kind the step runs as. A sampling graph that cannot be
-        captured turns device sampling off (the step's logits go to the host, through the "logits" graph);
-        out of memory capturing a "logits" graph turns capturing off (steps run at fixed shapes, eagerly).
+    def _capture_bucket(self, rows: int, blocks: int, draw: Draw | None) -> Draw | None:
+        """Capture one bucket on demand; returns the draw the step runs with. A sampling graph that cannot be
+        captured turns device sampling off (the step's logits go to the host, through the logits graph: None);
+        out of memory capturing a logits graph turns capturing off (steps run at fixed shapes, eagerly).
         Neither fails the step."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         self._pad(0, self.max_rows)
         self._device.copy_(self._host)
         try:
-            self._graphs[(rows, blocks, kind)] = self._capture(
-                lambda record: self._step(rows, blocks, kind, record), self._pool)
+            self._graphs[(rows, blocks, draw)] = self._capture(
+                lambda record: self._step(rows, blocks, draw, record), self._pool)
         except Exception as exc:
-            if kind != LOGITS:
-                self._device_sampling_off(f"capturing a {kind} graph failed: {exc!r}")
-                return LOGITS if (rows, blocks, LOGITS) in self._graphs else self._capture_bucket(rows, blocks, LOGITS)
+            if draw is not None:
+                self._device_sampling_off(f"capturing a {draw} graph failed: {exc!r}")
+                return None if (rows, blocks, None) in self._graphs else self._capture_bucket(rows, blocks, None)
             if not isinstance(exc, torch.OutOfMemoryError):
                 raise
-            log.warning("out of memory capturing a CUDA graph for %d rows x %d blocks (%s): decode steps run "
-                        "without graphs from now on", rows, blocks, kind)
+            log.warning("out of memory capturing a CUDA graph for %d rows x %d blocks: decode steps run "
+                        "without graphs from now on", rows, blocks)
             self.release()
             self.capture = False
             self.capture_disabled_by_oom = True
-        return kind
+        return draw
 
     def _device_sampling_off(self, why: str) -> None:
         log.warning("decode steps sample on the host from now on: %s", why)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
@@ -33,7 +33,7 @@ from tokenflow.runtime.sampler import GREEDY_EPS, SamplingRow, adjusts_logits, d
 if TYPE_CHECKING:
     from tokenflow.protocols import StepPlan
 
-__all__ = ("DeviceSampler", "Variant", "adjusts_any", "device_rows", "logprobs_width", "variant_of")
+__all__ = ("DeviceSampler", "Draw", "Variant", "device_rows", "draw_of", "variant_of")
 
 Variant = Literal["greedy", "random", "truncated"]  # what work a step's rows need; one graph each
 
@@ -53,9 +53,20 @@ def device_rows(plan: StepPlan) -> list[SamplingRow] | None:
     return rows or None
 
 
-def logprobs_width(rows: Sequence[SamplingRow]) -> int:
-    """How many top logprobs the step reports per row (the most any row asks for); -1 when none asks."""
-    return max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=-1)
+class Draw(NamedTuple):
+    """What a step's device sampling does (each its own graph): its variant, whether rows adjust their logits
+    first (`DeviceLogitState`), and how many top logprobs it reports per row (the most any row asks for; -1 when
+    none asks)."""
+
+    variant: Variant
+    adjusted: bool
+    logprobs: int
+
+
+def draw_of(rows: Sequence[SamplingRow], vocab: int) -> Draw:
+    """The draw that samples every one of `rows`."""
+    return Draw(variant_of(rows, vocab), any(adjusts_logits(r) for r in rows),
+                max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=-1))
 
 
 def _truncates(row: SamplingRow, vocab: int) -> bool:
@@ -70,11 +81,6 @@ def variant_of(rows: Sequence[SamplingRow], vocab: int) -> Variant:
     if not drawn:
         return "greedy"
     return "truncated" if any(_truncates(r, vocab) for r in drawn) else "random"
-
-
-def adjusts_any(rows: Sequence[SamplingRow]) -> bool:
-    """Whether some row's logits are adjusted before its draw (the graphs with `DeviceLogitState`)."""
-    return any(adjusts_logits(r) for r in rows)
 
 
 class DeviceSampler:
@@ -99,7 +105,7 @@ class DeviceSampler:
         start the copy to the device. The host buffer is free to rewrite once the step's tokens came back.
         Rows with adjustments get their slot of `DeviceLogitState` (filled there first when stale)."""
         vocab = self.vocab_size
-        if adjusts_any(rows):
+        if any(adjusts_logits(r) for r in rows):
             self.prepare_adjustments()
             assert self.logit_state is not None
             self.logit_state.stage(rows)

@@ -304,10 +304,12 @@ class PagedBackend:
             rows = c.num_logit_rows
             dropped = r.num_dropped_tokens  # kv_compression: the cache holds fewer positions than were computed
             chunks.append(SeqChunk(tokens, start - dropped, r.block_table, rows > 0, max(rows, 1), dropped, r.adapter))
-        if self.buckets and plan.num_tokens == len(chunks):  # decode-only: pad to a static batch size
+        decode_only = plan.num_tokens == len(chunks)
+        if self.buckets and decode_only:  # pad to a static batch size
             pad = padded_size(len(chunks), self.buckets) - len(chunks)
             chunks.extend(SeqChunk([0], 0, [self.scratch_block], False) for _ in range(pad))
-        sampling = device_rows(plan) if self.runner.graphs is not None else None
+        # only decode-only steps run at fixed shapes (`DecodeGraphs.fits`), where the device may sample
+        sampling = device_rows(plan) if self.runner.graphs is not None and decode_only else None
         return self.runner.execute(chunks, greedy=argmax_only(plan), sampling=sampling)
 
     def warmup_batch_sizes(self) -> list[int]:
