@@ -220,24 +220,6 @@ int paged_prefill_i8(const float *q, const int8_t *k_i8, const int8_t *v_i8, con
 #if defined(__AVX512BF16__) && HEAD_DIM % 16 == 0
 int prefill_bf16_available(void) { return 1; }
 
-/* Row r's scores s[0, keys) (fp32 sums) into probabilities p[0, padded): the roundings of eager bf16
- * attention for its `seen` visible keys, zeros past them. */
-static inline void bf16_probabilities(float *s, uint16_t *p, int64_t seen, int64_t padded, float scale)
-{
-#pragma omp simd
-    for (int64_t j = 0; j < seen; ++j)
-        s[j] = round_to_bf16(round_to_bf16(s[j]) * scale);
-    const float inv = 1.f / exp_minus_max(s, seen);
-#pragma omp simd
-    for (int64_t j = 0; j < seen; ++j)
-        p[j] = float_to_bf16(s[j] * inv);
-    for (int64_t j = seen; j < padded; ++j)
-        p[j] = 0;
-}
-
-#if HAVE_TILES && HEAD_DIM % 32 == 0
-#define TILE_KEYS 64 /* keys per score block: four accumulator tiles, so the products do not wait on each other */
-
 /* 16 fp32 lanes rounded to bf16 and widened back: eager's rounding of a bf16 result. */
 static inline __m512 round16_to_bf16(__m512 x)
 {
@@ -254,6 +236,29 @@ static inline __mmask16 lanes_below(int64_t j, int64_t limit)
 {
     return limit - j >= 16 ? 0xFFFF : limit <= j ? 0 : (__mmask16)((1u << (limit - j)) - 1);
 }
+
+/* A row's scaled scores x[0, seen) (bf16 values held in fp32; `top` their max) into probabilities
+ * p[0, padded): exp(x - top) / sum rounded to bf16, as eager bf16 attention rounds them, zeros past `seen`.
+ * x is overwritten; both rows have room up to `padded` rounded up to 16. */
+static inline void bf16_probabilities(float *x, uint16_t *p, int64_t seen, int64_t padded, float top)
+{
+    const __m512 m = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < seen; j += 16) {
+        const __mmask16 live = lanes_below(j, seen);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + j), m));
+        _mm512_storeu_ps(x + j, e);
+        sum = _mm512_mask_add_ps(sum, live, sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    for (int64_t j = 0; j < padded; j += 16) {
+        const __m512 prob = _mm512_maskz_mul_ps(lanes_below(j, seen), _mm512_loadu_ps(x + j), inv);
+        _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(prob));
+    }
+}
+
+#if HAVE_TILES && HEAD_DIM % 32 == 0
+#define TILE_KEYS 64 /* keys per score block: four accumulator tiles, so the products do not wait on each other */
 
 /* Query rows r0 .. r0 + 16 of KV head h (rows past `rows` repeat the last, unwritten) on AMX tiles (configured
  * 16 x 64 bytes each), in three passes over the row's keys that keep each pass's data in L1/L2:
@@ -472,6 +477,10 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t 
             const int64_t keys = visible[PREFILL_ROWS - 1];
             const int64_t padded = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
             const uint32_t *kh = kp + h * pairs * kstride;
+            const __m512 scaling = _mm512_set1_ps(scale);
+            __m512 top[PREFILL_ROWS];
+            for (int r = 0; r < PREFILL_ROWS; ++r)
+                top[r] = _mm512_set1_ps(-INFINITY);
             for (int64_t j = 0; j < padded; j += KEY_TILE) {
                 __m512 acc[PREFILL_ROWS][2];
                 for (int r = 0; r < PREFILL_ROWS; ++r)
@@ -485,14 +494,18 @@ int paged_prefill_bf16(const uint16_t *q, const uint16_t *k_src, const uint16_t 
                         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w, k1);
                     }
                 }
-                for (int r = 0; r < PREFILL_ROWS; ++r) {
-                    _mm512_store_ps(scores + r * stride + j, acc[r][0]);
-                    _mm512_store_ps(scores + r * stride + j + 16, acc[r][1]);
-                }
+                /* x = bf16(bf16(s) * scale), kept in fp32; each row's max over its visible keys */
+                for (int r = 0; r < PREFILL_ROWS; ++r)
+                    for (int x = 0; x < 2; ++x) {
+                        const __m512 scaled = round16_to_bf16(_mm512_mul_ps(round16_to_bf16(acc[r][x]), scaling));
+                        _mm512_store_ps(scores + r * stride + j + 16 * x, scaled);
+                        top[r] = _mm512_mask_max_ps(top[r], lanes_below(j + 16 * x, visible[r]), top[r], scaled);
+                    }
             }
             const int64_t even = (keys + 1) / 2 * 2;
             for (int r = 0; r < PREFILL_ROWS; ++r)
-                bf16_probabilities(scores + r * stride, probs + r * stride, visible[r], even, scale);
+                bf16_probabilities(scores + r * stride, probs + r * stride, visible[r], even,
+                                   _mm512_reduce_max_ps(top[r]));
 
             const uint32_t *vh = vp + h * stride / 2 * HEAD_DIM;
             for (int rb = 0; rb < real; rb += VALUE_ROWS) {
