@@ -14,8 +14,9 @@ shows everything that works and everything that does not:
    engine holds after start (`torch.cuda.set_per_process_memory_fraction`); 16 long prompts arrive at
    once; every caller must get its completion (or an EngineError of its own) and no block may leak;
 5. speed: `tokenflow bench`'s closed-loop workload (chat prompts of ~20-600 tokens, 64 new tokens,
-   greedy, EOS ignored, prefix cache off) at concurrency 16 and 1: CUDA graphs, eager, and naive
-   transformers `generate`;
+   greedy, EOS ignored, prefix cache off) at concurrency 16 and 1: CUDA graphs, CUDA graphs with decode
+   steps planned while the one before runs (`async_scheduling=True`), eager, and naive transformers
+   `generate`;
 6. profile: eager steps under each SDPA backend;
 7. int8: `quantization="int8"` on CUDA (torchao's weight-only int8) against bf16 and fp32: weight
    bytes, perplexity of a held-out text, greedy agreement (`tokenflow bench-quality`'s measures), and
@@ -222,6 +223,8 @@ async def _engine_pass(model: str, device: str, prompts: list[list[int]], concur
     result["decode_step_ms_by_batch"] = stats.get("decode_step_ms_by_batch", {})
     result["fixed_shape_decode_steps"] = stats.get("fixed_shape_decode_steps", 0)
     result["device_sampled_steps"] = stats.get("device_sampled_steps", 0)
+    result["ahead_steps"] = stats.get("num_ahead_steps", 0)
+    result["steps"] = stats.get("num_steps", 0)
     return result
 
 
@@ -232,11 +235,13 @@ def _report_pass(name: str, result: dict[str, Any], concurrency: int) -> None:
                  f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms; decode step at batch {concurrency}: "
                  f"{step.get('step', float('nan')):.2f} ms (forward {step.get('forward', float('nan')):.2f}); "
                  f"{result['fixed_shape_decode_steps']} steps at fixed shapes, "
-                 f"{result['device_sampled_steps']} of them sampled on the device")
+                 f"{result['device_sampled_steps']} of them sampled on the device; "
+                 f"{result['ahead_steps']} of {result['steps']} steps planned ahead")
 
 
 SPEED_VARIANTS: dict[str, dict[str, Any]] = {
-    "graphs": {}, "eager": {"cuda_graphs": False}, "graphs-512": {"max_batch_tokens": 512},
+    "graphs": {}, "graphs-async": {"async_scheduling": True}, "eager": {"cuda_graphs": False},
+    "graphs-512": {"max_batch_tokens": 512},
 }
 
 
@@ -508,7 +513,8 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--checks", default="load,oracle_tiny,oracle_bf16,oracle_fp32,oracle_bf16_eager,"
                                             "sampling,shapes,out_of_memory,speed,profile,int8")
-    parser.add_argument("--speed-variants", default="graphs,eager,graphs-512", help=f"of {', '.join(SPEED_VARIANTS)}")
+    parser.add_argument("--speed-variants", default="graphs,graphs-async,eager,graphs-512",
+                        help=f"of {', '.join(SPEED_VARIANTS)}")
     parser.add_argument("--concurrency", default="16,1")
     parser.add_argument("--no-naive", action="store_true", help="skip naive transformers in the speed check")
     parser.add_argument("--text", default="/usr/share/common-licenses/GPL-3", help="int8: the held-out text")

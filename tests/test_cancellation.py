@@ -133,15 +133,20 @@ async def _cancel_at(engine: Engine, kind: str, at: int, how: str, expected: lis
     return outcome
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["planned-per-step", "planned-ahead"])
 @pytest.mark.parametrize("how", ["task.cancel", "anyio"])
 @pytest.mark.parametrize("kind", list(VICTIMS))
-async def test_cancelling_at_every_await_point_spares_the_neighbours(tiny_model, kind: str, how: str) -> None:
-    async with running_engine(tiny_model, **SETTINGS) as engine:
+async def test_cancelling_at_every_await_point_spares_the_neighbours(tiny_model, kind: str, how: str,
+                                                                     async_scheduling: bool) -> None:
+    async with running_engine(tiny_model, async_scheduling=async_scheduling, **SETTINGS) as engine:
         expected = await _references(engine)
         points = await _await_points(engine, kind)
         assert points >= 8  # tokenizer wait, queue, prefill, one per chunk ... (a stream: its consumer too)
         outcomes = [await _cancel_at(engine, kind, at, how, expected) for at in range(1, points + 2)]
-        assert outcomes[:points].count("cancelled") == points, outcomes  # each point was one
+        # Each point was one. Planned ahead, a step's output reaches the stream while the next step runs, so a
+        # slow consumer may find two chunks merged and its last await point or so come and go between runs.
+        sure = points - 2 if async_scheduling else points
+        assert outcomes[:sure].count("cancelled") == sure, outcomes
         assert outcomes[-1] == "completed"  # past its last await point: not cancelled at all
 
 
@@ -173,11 +178,13 @@ async def test_an_idle_engine_never_strands_a_request_whose_batch_neighbour_left
         await until_idle(engine)
 
 
-async def test_thousands_of_streams_cancelled_at_random_moments(tiny_model) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["planned-per-step", "planned-ahead"])
+async def test_thousands_of_streams_cancelled_at_random_moments(tiny_model, async_scheduling: bool) -> None:
     """Streams cancelled at random by `asyncio.wait_for` while others run: every stream that is not
     cancelled gets its reference output, and none gets an error."""
     prompts = [f"Request number {i} asks about" for i in range(8)]
-    async with running_engine(tiny_model, **{**SETTINGS, "num_kv_blocks": 256}) as engine:
+    settings = {**SETTINGS, "num_kv_blocks": 256, "async_scheduling": async_scheduling}
+    async with running_engine(tiny_model, **settings) as engine:
         expected = {p: (await engine.generate(p, **GREEDY)).token_ids for p in prompts}
         rnd = random.Random(40)
 
@@ -204,11 +211,13 @@ async def test_thousands_of_streams_cancelled_at_random_moments(tiny_model) -> N
         assert all(tokens == expected[p] for p, o, tokens in results if o == "completed")
         stats = await until_idle(engine)
         assert stats["num_failed"] == 0 and not stats["dead"]
+        assert (stats["num_ahead_steps"] > 0) == async_scheduling
 
 
-def test_cancel_scopes_under_trio_spare_the_neighbours(tiny_model) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["planned-per-step", "planned-ahead"])
+def test_cancel_scopes_under_trio_spare_the_neighbours(tiny_model, async_scheduling: bool) -> None:
     async def main() -> None:
-        async with running_engine(tiny_model, **SETTINGS) as engine:
+        async with running_engine(tiny_model, async_scheduling=async_scheduling, **SETTINGS) as engine:
             async def round_(at: int) -> tuple[str, dict[str, list[int]]]:
                 """The victim's outcome, cancelled at await point `at` by a trio cancel scope, and the
                 neighbours' outputs."""
@@ -231,9 +240,10 @@ def test_cancel_scopes_under_trio_spare_the_neighbours(tiny_model) -> None:
             assert outcome == "completed"
             counter = CancelAt(_stream(engine), 0, lambda: None)
             await counter
+            sure = counter.suspensions - (2 if async_scheduling else 0)  # as in the asyncio test above
             for at in range(1, counter.suspensions + 1):
                 outcome, results = await round_(at)
-                assert outcome == "cancelled"
+                assert outcome == "cancelled" or at > sure
                 assert results == expected, f"a neighbour's output changed (cancelled at await point {at})"
 
     anyio.run(main, backend="trio")

@@ -208,7 +208,7 @@ class Engine:
             cores = CoreSharing(threads, model_thread.native_id or 0)
         worker = ModelWorker(backend, loaded, model_thread, cores)
         self._loop = StepLoop(worker, scheduler, self.output, ctx.observers, pool=ctx.pool,
-                              debug_leaks=config.debug_leaks)
+                              debug_leaks=config.debug_leaks, async_scheduling=config.async_scheduling)
         self._chain = _build_chain(self._stages, self._enqueue)
         self._background = spawn(self._loop.run, "tokenflow-step-loop")
         self._state = "running"

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = (
     "OPTIONAL_HOOKS",
+    "AheadInput",
+    "AheadScheduler",
+    "AheadSkipped",
     "Batcher",
     "CompressJob",
     "CompressingBackend",
@@ -117,20 +120,35 @@ class RequestStage(Protocol):
 
 # -- one step: plan, output, result ------------------------------------------------------------
 @dataclass
+class AheadInput:
+    """A decode planned while the step before it still runs (async scheduling): its input is the token that
+    step samples, which the model worker fills in as `token` on the model thread, and the request's position
+    and block table as they were planned, since the event loop updates the request itself meanwhile."""
+
+    position: int
+    block_table: list[int]
+    token: int = -1
+
+
+@dataclass
 class ScheduledChunk:
     """`num_tokens` new tokens of `request` to compute this step.
 
     With a draft (n-gram speculation, `tokenflow.scheduler.ngram`) the chunk is the request's last
-    known token followed by `draft`, and `num_tokens` counts both.
+    known token followed by `draft`, and `num_tokens` counts both. With `ahead`, a one-token decode
+    planned before the previous step's token was known (`AheadInput`).
     """
 
     request: Request
     num_tokens: int
     draft: list[int] = field(default_factory=list)
+    ahead: AheadInput | None = None
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's known tokens."""
+        if self.ahead is not None:  # a decode: it samples, however far the event loop has updated the request
+            return True
         return self.request.num_computed_tokens + self.num_tokens - len(self.draft) == self.request.num_tokens
 
     @property
@@ -138,7 +156,7 @@ class ScheduledChunk:
         """Positions of this chunk whose logits score a prompt token (the request asked for
         `prompt_logprobs`): position p scores prompt token p + 1. They are the chunk's first rows."""
         request = self.request
-        if request.params.prompt_logprobs is None or self.draft:
+        if request.params.prompt_logprobs is None or self.draft or self.ahead is not None:
             return 0
         start = request.num_computed_tokens
         return max(0, min(start + self.num_tokens, request.num_prompt_tokens - 1) - start)
@@ -179,6 +197,11 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+
+class AheadSkipped(Exception):
+    """An ahead plan (`AheadInput`) did not run: the step before it drew no token for one of its requests (that
+    step failed, or one of its rows did). Not a failure: the step loop schedules afresh."""
 
 
 class DeviceOutOfMemory(Exception):
@@ -484,6 +507,18 @@ class RecoveringScheduler(Protocol):
 
 
 @runtime_checkable
+class AheadScheduler(Protocol):
+    """A scheduler that plans the next decode step while the current one runs (`async_scheduling`):
+    `schedule_ahead(plan) -> StepPlan | None`, called on the event loop right after `plan` was handed to the
+    model thread and before its output is known. Each chunk of the plan it returns is a one-token decode of a
+    request in `plan` with an `AheadInput`, blocks already reserved; None when the next step needs the full
+    `schedule()` (requests waiting, a request whose next step depends on the token being drawn, no free
+    block). It must not change what `update_from_output(plan, ...)` will read."""
+
+    def schedule_ahead(self, plan: StepPlan) -> StepPlan | None: ...
+
+
+@runtime_checkable
 class ShrinkableBackend(Protocol):
     """A backend that frees the KV memory of blocks from `num_blocks` on (model thread)."""
 
@@ -516,7 +551,7 @@ class WarmingBackend(Protocol):
 # The optional hook sets of each plugin kind (the registry's kind names).
 OPTIONAL_HOOKS: dict[str, tuple[type, ...]] = {
     "memory": (TieredPool, ShrinkablePool),
-    "loop": (RecoveringScheduler,),
+    "loop": (RecoveringScheduler, AheadScheduler),
     "backend": (ShrinkableBackend, CompressingBackend, WarmingBackend, EmbeddingBackend),
 }
 

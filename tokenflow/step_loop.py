@@ -11,6 +11,14 @@ only mutated on the event loop, between steps, so the worker never sees a
 request change under it (an abort only marks the request ended, which the
 worker ignores). This module imports no torch: the worker is the seam.
 
+With `async_scheduling`, decode steps chain: as soon as a step is queued on the
+model thread, the scheduler plans the next from it (`schedule_ahead`) and that
+is queued too, so the model thread goes from one to the next while the event
+loop applies the first one's output. The ahead plan carries what the worker
+reads of its requests (position, block table; `AheadInput`), so the event loop
+may update them meanwhile; the worker fills in each input token from the step
+before, and skips the plan (`AheadSkipped`) when that step drew none.
+
 A failed step fails the requests of that step with `EngineError`; after
 `MAX_CONSECUTIVE_FAILURES` failed steps in a row the engine is dead and every
 pending caller gets `EngineError`. A failing `schedule()` counts the same way,
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.from_thread
@@ -32,16 +40,21 @@ from tokenflow.errors import EngineError
 from tokenflow.out_of_memory import OutOfMemoryRecovery
 from tokenflow.output.processor import OutputProcessor
 from tokenflow.protocols import (
+    AheadScheduler,
+    AheadSkipped,
     DeviceOutOfMemory,
     EngineObserver,
     KVPool,
     RowFailure,
     Scheduler,
     StaticScheduler,
+    StepOutput,
+    StepPlan,
     notify_request_end,
 )
 from tokenflow.rates import DecodeStepTimes, RateWindow
 from tokenflow.request import Request, RequestStatus
+from tokenflow.runtime.model_thread import ModelJob
 from tokenflow.runtime.worker import ModelWorker
 
 __all__ = ("MAX_CONSECUTIVE_FAILURES", "KVLeakError", "StepLoop")
@@ -59,6 +72,7 @@ class StepLoop:
     def __init__(
         self, worker: ModelWorker, scheduler: Scheduler | StaticScheduler, output: OutputProcessor,
         observers: list[EngineObserver], *, pool: KVPool | None = None, debug_leaks: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         self.observers = observers
         self.debug_leaks = debug_leaks
@@ -73,6 +87,9 @@ class StepLoop:
         self.pool = pool
         self.output = output
         self.static = worker.static
+        # Plan each decode step while the one before runs (`async_scheduling`), where scheduler and backend can
+        self.async_scheduling = (async_scheduling and not self.static and worker.runs_ahead
+                                 and isinstance(scheduler, AheadScheduler))
         self.dead = False
         self._wake = anyio.Event()
         self._idle = anyio.Event()
@@ -83,6 +100,8 @@ class StepLoop:
         self.num_finished = 0
         self.num_aborted = 0
         self.num_failed = 0
+        self.num_ahead_steps = 0  # steps planned while the one before ran (async scheduling)
+        self.num_ahead_skipped = 0  # ... that did not run: the step before drew no token for a request
         self.last_step_ms = 0.0
         self._tokens = RateWindow()  # generated tokens, for tokens/s
         self._decode_steps = DecodeStepTimes()  # decode-only steps' times by batch size, for stats
@@ -162,20 +181,68 @@ class StepLoop:
         if not plan.chunks and not plan.compressions:
             await anyio.sleep(0.001)  # waiting for blocks that an abort will free
             return
+        job = self.worker.submit(plan)
         started = time.perf_counter()
+        while True:  # with async scheduling, decode steps chain: each planned and queued while the one before runs
+            ahead = self._plan_ahead(plan)
+            ahead_job = self.worker.submit(ahead) if ahead is not None else None
+            self.num_ahead_steps += ahead is not None
+            output = await self._await_step(plan, job, started, ahead_job)
+            if ahead is None or ahead_job is None:
+                if output is not None:
+                    self._apply(plan, output, started)
+                return
+            ahead_started = time.perf_counter()  # the model thread went on to the ahead plan
+            if output is None:  # `plan` did not run: the ahead plan, already settled, had no tokens to run on
+                return
+            self._apply(plan, output, started)  # while the ahead plan runs
+            self._reap_aborted()
+            plan, job, started = ahead, ahead_job, ahead_started
+
+    def _plan_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """With async scheduling, the next decode step planned while `plan` runs (`AheadScheduler`)."""
+        if not self.async_scheduling or self.dead:
+            return None
         try:
-            output = await self.worker.step(plan)
-        except DeviceOutOfMemory as exc:  # a smaller step, before failing anyone (`out_of_memory.py`)
-            failed = await self.out_of_memory.recover(plan, exc)
+            return cast(AheadScheduler, self.scheduler).schedule_ahead(plan)
+        except Exception:  # a scheduler bug: the next step is planned the usual way
+            log.exception("scheduler.schedule_ahead() failed")
+            return None
+
+    async def _await_step(self, plan: StepPlan, job: ModelJob, started: float,
+                          ahead_job: ModelJob | None) -> StepOutput | None:
+        """The output of `plan`'s step; None when it did not run (its requests were failed, or, after a device
+        out-of-memory, the next step made smaller). An ahead plan queued behind a step that did not run
+        finds no tokens and is skipped: that is awaited first, so nothing runs on the model thread meanwhile."""
+        try:
+            return await self.worker.result(job)
+        except Exception as exc:
+            error = exc
+        if ahead_job is not None:
+            try:
+                await self.worker.result(ahead_job)
+            except AheadSkipped:
+                self.num_ahead_skipped += 1
+            except Exception:  # it cannot have run without tokens; whatever it raised, it did nothing
+                log.exception("a step planned ahead failed to skip")
+        if isinstance(error, AheadSkipped):  # its requests carry on from the step before, planned afresh
+            self.num_ahead_skipped += 1
+            return None
+        if isinstance(error, DeviceOutOfMemory):  # a smaller step, before failing anyone (`out_of_memory.py`)
+            failed = await self.out_of_memory.recover(plan, error)
             if failed:  # its size, not an engine fault: not counted towards the engine's death
                 self._notify_step(time.perf_counter() - started, False)
-                for request, error in failed:
-                    self._fail(request, error)
-            return
-        except Exception as exc:
-            self._notify_step(time.perf_counter() - started, False)
-            self._step_failed([c.request for c in plan.chunks], exc)
-            return
+                for request, failure in failed:
+                    self._fail(request, failure)
+            return None
+        self._notify_step(time.perf_counter() - started, False)
+        self._step_failed([c.request for c in plan.chunks], error)
+        return None
+
+    def _apply(self, plan: StepPlan, output: StepOutput, started: float) -> None:
+        """Hand a step's output to the scheduler (tokens to the output processor), and count the step."""
+        scheduler = self.scheduler
+        assert isinstance(scheduler, Scheduler)
         self._notify_step(time.perf_counter() - started, True)
         self._failures = 0
         self.num_steps += 1
@@ -302,6 +369,8 @@ class StepLoop:
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
             "num_failed": self.num_failed,
+            "num_ahead_steps": self.num_ahead_steps,
+            "num_ahead_skipped": self.num_ahead_skipped,
             **self.out_of_memory.stats(),
             "step_time_ms": round(self.last_step_ms, 2),
             "tokens_per_s": round(self._tokens.rates()[1], 1),

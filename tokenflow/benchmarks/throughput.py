@@ -56,6 +56,7 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "paged-ngram": {"backend": "paged", "speculative_tokens": 3},  # n-gram speculative decoding
     "paged-int8": {"backend": "paged", "quantization": "int8"},  # int8 weights and activations (CPU, VNNI)
     "paged-kv-int8": {"backend": "paged", "kv_cache_dtype": "int8"},  # int8 KV cache
+    "paged-async": {"backend": "paged", "async_scheduling": True},  # decode steps planned while the last runs
 }
 PEERS = ("vllm", "llamacpp")
 # Context the peers are started with: past every workload's longest sequence (long: ~1,900 + new tokens), and
@@ -263,7 +264,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model's vocabulary (built once into the model cache; default: none)")
     p.add_argument("--engines", default="paged,paged-ngram,hf,naive",
                    help="comma list of paged, paged-ngram (paged with speculative_tokens=3), paged-int8 "
-                        "(quantization=int8), paged-kv-int8 (kv_cache_dtype=int8), hf, naive")
+                        "(quantization=int8), paged-kv-int8 (kv_cache_dtype=int8), paged-async "
+                        "(async_scheduling=True), hf, naive")
     p.add_argument("--peers", default="",
                    help="comma list of peer engines run beside tokenflow: vllm (scripts/peers.sh), llamacpp "
                         "(llama-server on the model's GGUF of each dtype; scripts/peers.sh llamacpp)")

@@ -26,12 +26,14 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
-__all__ = ("ModelThread",)
+__all__ = ("ModelJob", "ModelThread")
 
 T = TypeVar("T")
 
 
-class _Job:
+class ModelJob:
+    """One call queued on the model thread, and its outcome once `done` is set."""
+
     __slots__ = ("args", "done", "fn", "ok", "value")
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
@@ -44,7 +46,7 @@ class _Job:
 
 class ModelThread:
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[ModelJob | None] = queue.SimpleQueue()
         self.thread_id: int | None = None
         self.native_id: int | None = None  # the OS's id of the thread (schedstat, `CoreSharing`)
 
@@ -58,8 +60,18 @@ class ModelThread:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the model thread. Cancelling the caller does not stop a job once started."""
-        job = _Job(fn, args)
+        return await self.result(self.submit(fn, *args))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> ModelJob:
+        """Queue `fn(*args)` on the model thread now; `await result(job)` for its value. Jobs run in the order
+        they were submitted (the step loop queues a step planned ahead behind the running one)."""
+        job = ModelJob(fn, args)
         self._jobs.put(job)
+        return job
+
+    @staticmethod
+    async def result(job: ModelJob) -> Any:
+        """The value of a submitted job once it ran (its exception raised here)."""
         await job.done.wait()
         if not job.ok:
             raise job.value

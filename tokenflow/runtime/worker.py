@@ -21,6 +21,7 @@ import torch
 
 from tokenflow.errors import InvalidRequest
 from tokenflow.protocols import (
+    AheadSkipped,
     CompressingBackend,
     CompressJob,
     DeviceOutOfMemory,
@@ -40,7 +41,7 @@ from tokenflow.protocols import (
 from tokenflow.request import Request
 from tokenflow.runtime.cpu.core_share import CoreSharing
 from tokenflow.runtime.loader import LoadedModel
-from tokenflow.runtime.model_thread import ModelThread
+from tokenflow.runtime.model_thread import ModelJob, ModelThread
 from tokenflow.runtime.pooling import Pooling, pool
 from tokenflow.runtime.sampler import Sampler, SamplingRow, row_of
 from tokenflow.structured.bitmask import MaskFiller, StepMasks, fill_masks, masked_first
@@ -74,16 +75,32 @@ class ModelWorker:
         self.num_rejection_settled = 0  # ... of which fresh unconstrained draws settled, without a mask
         self.num_greedy_head_steps = 0  # steps whose tokens the backend gave without logits (GreedyTokens)
         self.last_forward_ms = 0.0
+        self._last_tokens: dict[Request, int] = {}  # the last step's token per request: an ahead plan's inputs
 
     # -- called on the event loop ------------------------------------------------------------
     async def step(self, plan: StepPlan) -> StepOutput:
         """Run `plan` on the model thread; `DeviceOutOfMemory` when the device ran out of memory."""
+        return await self.result(self.submit(plan))
+
+    def submit(self, plan: StepPlan) -> ModelJob:
+        """Queue `plan` on the model thread now (behind a step still running: an ahead plan, whose `AheadInput`
+        tokens the step before draws); `await result(job)` for its output."""
         if self.cores is not None:
             self._threads = self.cores.poll()
+        return self.model_thread.submit(self._execute, plan)
+
+    async def result(self, job: ModelJob) -> StepOutput:
+        """A submitted step's output; `DeviceOutOfMemory` when the device ran out of memory, `AheadSkipped` when
+        an ahead plan lacked a token from the step before."""
         try:
-            return await self.model_thread.run(self._execute, plan)
+            return cast(StepOutput, await self.model_thread.result(job))
         except torch.OutOfMemoryError as exc:
             raise DeviceOutOfMemory(str(exc)) from exc
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether the backend takes ahead plans (`AheadInput` chunks): the paged backend does."""
+        return bool(getattr(self.backend, "runs_ahead", False))
 
     async def run_batch(self, batch: list[Request], on_tokens: StaticTokens) -> None:
         """A static backend's whole batch, sampled by this worker's sampler; `on_tokens` reports each step."""
@@ -131,7 +148,14 @@ class ModelWorker:
     # -- on the model thread ---------------------------------------------------------------------
     def _execute(self, plan: StepPlan) -> StepOutput:
         """Forward + sample (+ the argmax after each draft token). Constrained rows' masks are filled on the
-        mask worker while the forward pass runs."""
+        mask worker while the forward pass runs. An ahead plan's inputs are the tokens the step before drew."""
+        last_tokens, self._last_tokens = self._last_tokens, {}  # a failed step leaves none for the plan behind it
+        for chunk in plan.chunks:
+            if chunk.ahead is not None:
+                token = last_tokens.get(chunk.request)
+                if token is None:
+                    raise AheadSkipped(f"the step before drew no token for {chunk.request.request_id}")
+                chunk.ahead.token = token
         if self._threads and self._threads != torch.get_num_threads():
             torch.set_num_threads(self._threads)
         compressed = [self._compress(job) for job in plan.compressions]
@@ -139,6 +163,10 @@ class ModelWorker:
             return StepOutput(SamplerOutput([], None), [], compressed=compressed)
         output = self._forward_and_sample(plan)
         output.compressed = compressed
+        sampled = output.sampled
+        sampling = [c for c in plan.chunks if c.samples]
+        self._last_tokens = {c.request: sampled.token_ids[j] for j, c in enumerate(sampling)
+                             if j not in sampled.failed and not c.draft}
         return output
 
     def _compress(self, job: CompressJob) -> bool:

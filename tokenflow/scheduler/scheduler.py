@@ -52,6 +52,7 @@ from tokenflow.config import DEFAULT_BATCH_TOKENS, EngineConfig
 from tokenflow.errors import InvalidRequest
 from tokenflow.kv.compression import PromptCompression
 from tokenflow.protocols import (
+    AheadInput,
     CompressJob,
     EngineContext,
     KVPool,
@@ -63,6 +64,7 @@ from tokenflow.protocols import (
     TokenSink,
 )
 from tokenflow.request import Request, RequestStatus
+from tokenflow.runtime.sampler import has_penalty
 from tokenflow.scheduler.ngram import accepted_tokens, can_speculate, propose_draft
 from tokenflow.scheduler.static import take_bucketed_batch
 from tokenflow.structured.drafts import valid_draft
@@ -237,6 +239,38 @@ class Scheduler:
             budget -= num_new
         self.last_schedule_us = (time.perf_counter() - started) * 1e6
         return plan
+
+    def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The next decode step, planned while `plan` runs (`async_scheduling`): each request of `plan` that
+        decodes on computes the token `plan` is drawing (an `AheadInput`, which the worker fills in) at the
+        position after it, with a block reserved for it now. None when the next step needs `schedule()`:
+        `plan` is not all plain one-token decodes, requests wait for admission (they join one step later, not
+        never), a request's next sampling depends on the token being drawn (grammar, penalties, min_tokens,
+        logit_bias), or a block is short (preemption is `schedule()`'s). A request whose token from `plan` is
+        its last by length is left out; one that stops on EOS or a stop string computes one token that is
+        dropped. Reads `plan`'s requests as `plan` left them: `update_from_output(plan)` comes after."""
+        if (self.waiting or plan.compressions or not plan.chunks or self.speculative_tokens
+                or self.window is not None or self.compression is not None or self.pool is None):
+            return None
+        ahead = StepPlan()
+        for chunk in plan.chunks:
+            request = chunk.request
+            if chunk.num_tokens != 1 or chunk.draft or not chunk.samples or not _plain_decode(request):
+                return None
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            if (len(request.output_token_ids) + 1 >= request.max_tokens
+                    or request.num_tokens + 1 >= self.max_model_len):
+                continue  # the token `plan` draws is its last
+            position = request.num_computed_tokens + 1  # `plan` computes the one before
+            needed = self.kv.blocks_needed(position + 1) - len(request.block_table)
+            if needed > 0:
+                if not self.kv.can_allocate(needed):
+                    return None  # the blocks taken so far stay with their requests, which need them next
+                request.block_table.extend(self.kv.allocate(needed))
+            self.kv.commit(request)  # blocks that steps before `plan` filled become shareable
+            ahead.chunks.append(ScheduledChunk(request, 1, ahead=AheadInput(position, list(request.block_table))))
+        return ahead if ahead.chunks else None
 
     def _unpin_waiting(self, keep: Request | None = None) -> bool:
         """Drop every queued request's pinned tier blocks but `keep`'s: they become cached blocks, which
@@ -452,6 +486,15 @@ class Scheduler:
             "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
             **(self.compression.stats() if self.compression is not None else {}),
         }
+
+
+def _plain_decode(request: Request) -> bool:
+    """Whether the request's next sampling reads nothing that the token still being drawn changes: no grammar
+    to advance, no penalties, min_tokens mask or logit_bias (which the ahead plan's rows would need as of that
+    token), no prompt logprobs."""
+    params = request.params
+    return (request.constraint is None and not has_penalty(params) and not params.min_tokens
+            and not params.logit_bias and params.prompt_logprobs is None)
 
 
 BucketingBatcher = Scheduler  # the old name

@@ -120,6 +120,7 @@ def decode_graph_mode(config: EngineConfig, device: torch.device) -> str | None:
 
 class PagedBackend:
     static = False
+    runs_ahead = True  # takes plans with `AheadInput` chunks (async scheduling)
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -293,6 +294,9 @@ class PagedBackend:
         chunks = []
         for c in plan.chunks:
             r = c.request
+            if c.ahead is not None:  # planned before the step before ran: the request itself may have moved on
+                chunks.append(SeqChunk([c.ahead.token], c.ahead.position, c.ahead.block_table, True, 1, 0, r.adapter))
+                continue
             start = r.num_computed_tokens
             known = c.num_tokens - len(c.draft)
             if known == 1 and start == r.num_tokens - 1 and r.output_token_ids:
