@@ -64,6 +64,12 @@ async def _serve(engine: Engine, requests: list[tuple[str, dict[str, Any]]], *, 
     return results
 
 
+def _stop_string(text: str) -> str:
+    """Three characters first met in the second half of `text`: a stop string a request meets mid-way."""
+    return next(text[i:i + 3] for i in range(len(text) // 2, len(text) - 3)
+                if text.find(text[i:i + 3]) == i and text[i:i + 3].strip())
+
+
 def _mixed_requests(stop: str) -> list[tuple[str, dict[str, Any]]]:
     requests = [(p, _params(i)) for i, p in enumerate(PROMPTS)]
     requests.append((PROMPTS[0], dict(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])))
@@ -77,7 +83,7 @@ async def test_outputs_equal_the_usual_scheduling(tiny_model) -> None:
     scheduling as without, most decode steps planned ahead, no block left referenced."""
     async with running_engine(tiny_model, **SETTINGS) as engine:
         greedy = await engine.generate(PROMPTS[0], temperature=0.0, max_tokens=30, ignore_eos=True)
-        stop = greedy.text[len(greedy.text) // 2:][:3]  # a stop string the first request meets mid-way
+        stop = _stop_string(greedy.text)
         usual = await _serve(engine, _mixed_requests(stop), stagger_s=0.01)
         assert engine.stats()["num_ahead_steps"] == 0  # off by default
     async with running_engine(tiny_model, async_scheduling=True, **SETTINGS) as engine:
@@ -85,8 +91,40 @@ async def test_outputs_equal_the_usual_scheduling(tiny_model) -> None:
         stats = await until_idle(engine)
     assert ahead == usual
     assert usual[len(PROMPTS)][2] == "stop" and stop not in usual[len(PROMPTS)][1]  # the stop string was met
-    assert stats["num_ahead_steps"] >= stats["num_steps"] // 3 and stats["num_ahead_skipped"] == 0
+    assert stats["num_ahead_steps"] > 0 and stats["num_ahead_skipped"] == 0
     assert stats["kv_blocks_used"] == 0 and stats["num_failed"] == 0
+
+
+async def test_a_request_stopped_mid_chain_computes_one_dropped_token(tiny_model) -> None:
+    """Four plain greedy requests decode in one chain; one meets its stop string there. Its answer is the
+    usual one, and its decode rows number its tokens (one per token after the first, and the row planned ahead
+    while its stopping token was drawn, whose token was dropped); planned one at a time, one fewer."""
+    async with running_engine(tiny_model, **SETTINGS) as engine:
+        greedy = await engine.generate(PROMPTS[3], temperature=0.0, max_tokens=30, ignore_eos=True)
+    stop = _stop_string(greedy.text)
+    requests = [(p, dict(temperature=0.0, max_tokens=30, ignore_eos=True)) for p in PROMPTS[:3]]
+    requests.append((PROMPTS[3], dict(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])))
+    outputs, rows = [], []
+    for async_scheduling in (False, True):
+        async with running_engine(tiny_model, async_scheduling=async_scheduling, **SETTINGS) as engine:
+            backend = engine._loop.backend
+            real_execute = backend.execute
+            decode_rows = {"n": 0}
+
+            def counting(plan: StepPlan, real_execute: Any = real_execute, decode_rows: Any = decode_rows) -> Any:
+                decode_rows["n"] += sum(bool(c.request.params.stop) and (
+                    c.ahead is not None or (c.num_tokens == 1
+                    and c.request.num_prompt_tokens <= c.request.num_computed_tokens)) for c in plan.chunks)
+                return real_execute(plan)
+
+            backend.execute = counting
+            outputs.append(await _serve(engine, requests))
+            rows.append(decode_rows["n"])
+            stats = await until_idle(engine)
+    usual, ahead = outputs
+    tokens, text, finish = ahead[3]
+    assert ahead == usual and finish == "stop" and len(tokens) < 30 and stop not in text
+    assert rows == [len(tokens) - 1, len(tokens)] and stats["num_ahead_steps"] > 0
 
 
 async def test_a_cancelled_stream_ends_only_itself(tiny_model) -> None:
@@ -136,19 +174,24 @@ async def test_a_failed_ahead_step_fails_its_requests_and_the_engine_carries_on(
             return real_execute(plan)
 
         backend.execute = flaky
-        outcomes: list[Any] = []
+        outcomes: dict[str, Any] = {}
 
         async def one(prompt: str) -> None:
             try:
-                await engine.generate(prompt, max_tokens=20, temperature=0.0, ignore_eos=True)
-                outcomes.append("completed")
+                done = await engine.generate(prompt, max_tokens=20, temperature=0.0, ignore_eos=True)
+                outcomes[prompt] = done.token_ids
             except EngineError as exc:
-                outcomes.append(str(exc))
+                outcomes[prompt] = exc
 
         async with anyio.create_task_group() as tg:
             for prompt in PROMPTS[:3]:
                 tg.start_soon(one, prompt)
-        assert len(outcomes) == 3 and all("injected fault" in o for o in outcomes)
+        failed = [p for p, o in outcomes.items() if isinstance(o, EngineError)]
+        assert failed and all("injected fault" in str(outcomes[p]) for p in failed)  # those in the failed step
+        for prompt in set(PROMPTS[:3]) - set(failed):  # any that joined after it: their usual answer
+            backend.execute = real_execute
+            assert outcomes[prompt] == (await engine.generate(prompt, max_tokens=20, temperature=0.0,
+                                                              ignore_eos=True)).token_ids
         stats = await until_idle(engine)
         assert stats["num_ahead_skipped"] >= 1 and stats["kv_blocks_used"] == 0
         backend.execute = real_execute
@@ -198,8 +241,8 @@ async def test_a_row_with_non_finite_logits_fails_alone(tiny_model) -> None:
 
 
 async def test_out_of_memory_in_an_ahead_step_shrinks_the_batch(tiny_model) -> None:
-    """A device out of memory (simulated) in an ahead step of six rows: the batch shrinks (preempting half,
-    which recompute) and everyone still gets the usual answer."""
+    """A device out of memory (simulated) in any ahead step of more than two rows: the batch shrinks
+    (preempting half, which recompute) and everyone still gets the usual answer."""
     requests = [(f"prompt {i}", dict(temperature=0.0, max_tokens=12, ignore_eos=True)) for i in range(6)]
     async with running_engine(tiny_model, **SETTINGS) as engine:
         usual = await _serve(engine, requests)
@@ -209,7 +252,7 @@ async def test_out_of_memory_in_an_ahead_step_shrinks_the_batch(tiny_model) -> N
         ooms = {"n": 0}
 
         def tight_memory(plan: StepPlan) -> Any:
-            if len(plan.chunks) > 3 and any(c.ahead is not None for c in plan.chunks):
+            if len(plan.chunks) > 2 and any(c.ahead is not None for c in plan.chunks):
                 ooms["n"] += 1
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
             return real_execute(plan)
@@ -267,8 +310,8 @@ def test_schedule_ahead_leaves_out_requests_whose_token_now_is_their_last() -> N
     on = _decoding(scheduler, prompt_len=3, outputs=3, max_tokens=5)
     ahead = scheduler.schedule_ahead(StepPlan([ScheduledChunk(last, 1), ScheduledChunk(on, 1)]))
     assert ahead is not None and [c.request for c in ahead.chunks] == [on]
-    last.status = RequestStatus.FINISHED  # aborted while the step runs
-    assert scheduler.schedule_ahead(StepPlan([ScheduledChunk(last, 1)])) is None
+    on.status = RequestStatus.FINISHED  # aborted while the step runs
+    assert scheduler.schedule_ahead(StepPlan([ScheduledChunk(last, 1), ScheduledChunk(on, 1)])) is None
 
 
 @pytest.mark.parametrize("params", [dict(repetition_penalty=1.2), dict(min_tokens=3), dict(logit_bias={5: 1.0}),
@@ -290,4 +333,12 @@ def test_schedule_ahead_declines_while_requests_wait_or_blocks_run_short() -> No
     scheduler.waiting.remove(queued)
     scheduler.kv.allocate(scheduler.kv.num_free)  # no block left for the ahead token
     assert scheduler.schedule_ahead(plan) is None and len(a.block_table) == 2
-    assert scheduler.schedule_ahead(StepPlan([ScheduledChunk(a, 3)])) is None  # a prefill chunk is not a decode
+
+
+def test_schedule_ahead_declines_a_plan_with_a_prefill_chunk() -> None:
+    scheduler = _scheduler()
+    a = _decoding(scheduler, prompt_len=6, outputs=1)
+    b = _decoding(scheduler, prompt_len=6, outputs=1)
+    b.num_computed_tokens = 2  # five prompt tokens to go: this step's chunk is a prefill
+    assert scheduler.schedule_ahead(StepPlan([ScheduledChunk(a, 1), ScheduledChunk(b, 5)])) is None
+    assert scheduler.schedule_ahead(StepPlan([ScheduledChunk(a, 1)])) is not None

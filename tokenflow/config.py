@@ -279,7 +279,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
         "steps only (no waiting request, grammar, penalties, min_tokens, logit_bias, prompt logprobs, "
         "speculation, sliding window or kv_compression; those steps plan as usual). A request that stops on EOS "
         "or a stop string computes one token more, which is dropped, and a new request is admitted one step "
-        "later. On the 2-core CPU: +3% requests/s and +38% TTFT p50 at concurrency 16, so off by default; on "
+        "later. On the 2-core CPU: +3.5% requests/s and +38% TTFT p50 at concurrency 16, so off by default; on "
         "CUDA unmeasured (`scripts/gpu_check.py` times it)")] = False
     cuda_graphs: Annotated[bool, _help(
         "on CUDA, Llama-family models: decode-only steps replayed from CUDA graphs captured at start, one per "

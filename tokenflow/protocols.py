@@ -262,6 +262,7 @@ class StepOutput:
     # requests asking for prompt_logprobs: (first prompt position scored, one entry per position)
     prompt_logprobs: list[tuple[Request, int, list[dict[int, float]]]] = field(default_factory=list)
     compressed: list[bool] = field(default_factory=list)  # per `plan.compressions`: whether its copy ran
+    forward_ms: float = 0.0  # the backend's forward, as the worker timed it
 
 
 # (request, token, logprob, in_cache): a taken token, and whether its K/V is already in the cache

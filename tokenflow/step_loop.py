@@ -7,17 +7,19 @@ Each step: hand aborted requests back to the scheduler (their blocks go back to
 the pool), ask it for a plan, let the model worker (`runtime/worker.py`) run it
 on the model thread, then let the scheduler take the step's tokens, which the
 output processor turns into text chunks on the event loop. Request objects are
-only mutated on the event loop, between steps, so the worker never sees a
-request change under it (an abort only marks the request ended, which the
-worker ignores). This module imports no torch: the worker is the seam.
+only mutated on the event loop, and, planned one at a time, between steps, so
+the worker never sees a request change under it (an abort only marks the
+request ended, which the worker ignores). This module imports no torch: the
+worker is the seam.
 
 With `async_scheduling`, decode steps chain: as soon as a step is queued on the
 model thread, the scheduler plans the next from it (`schedule_ahead`) and that
 is queued too, so the model thread goes from one to the next while the event
 loop applies the first one's output. The ahead plan carries what the worker
-reads of its requests (position, block table; `AheadInput`), so the event loop
-may update them meanwhile; the worker fills in each input token from the step
-before, and skips the plan (`AheadSkipped`) when that step drew none.
+reads of its requests that changes (position, block table; `AheadInput`), so
+the event loop may update them meanwhile; the worker fills in each input token
+from the step before, and skips the plan (`AheadSkipped`) when that step drew
+none.
 
 A failed step fails the requests of that step with `EngineError`; after
 `MAX_CONSECUTIVE_FAILURES` failed steps in a row the engine is dead and every
@@ -90,6 +92,9 @@ class StepLoop:
         # Plan each decode step while the one before runs (`async_scheduling`), where scheduler and backend can
         self.async_scheduling = (async_scheduling and not self.static and worker.runs_ahead
                                  and isinstance(scheduler, AheadScheduler))
+        if async_scheduling and not self.async_scheduling:
+            log.warning("async_scheduling needs the paged backend and a scheduler with schedule_ahead; "
+                        "steps are planned one at a time")
         self.dead = False
         self._wake = anyio.Event()
         self._idle = anyio.Event()
@@ -204,10 +209,14 @@ class StepLoop:
         if not self.async_scheduling or self.dead:
             return None
         try:
-            return cast(AheadScheduler, self.scheduler).schedule_ahead(plan)
+            ahead = cast(AheadScheduler, self.scheduler).schedule_ahead(plan)
         except Exception:  # a scheduler bug: the next step is planned the usual way
             log.exception("scheduler.schedule_ahead() failed")
             return None
+        if ahead is not None and any(c.ahead is None for c in ahead.chunks):  # would read requests as they change
+            log.error("scheduler.schedule_ahead() returned a chunk without an AheadInput; planning as usual")
+            return None
+        return ahead
 
     async def _await_step(self, plan: StepPlan, job: ModelJob, started: float,
                           ahead_job: ModelJob | None) -> StepOutput | None:
@@ -228,7 +237,13 @@ class StepLoop:
         if isinstance(error, AheadSkipped):  # its requests carry on from the step before, planned afresh
             self.num_ahead_skipped += 1
             return None
+        # An ahead plan's requests may have ended while it ran (stopped by the step before, aborted): not theirs
+        live = [c for c in plan.chunks if not c.request.finished]
         if isinstance(error, DeviceOutOfMemory):  # a smaller step, before failing anyone (`out_of_memory.py`)
+            if not live and plan.chunks:
+                return None
+            if len(live) < len(plan.chunks):
+                plan = StepPlan(live, compressions=plan.compressions)
             failed = await self.out_of_memory.recover(plan, error)
             if failed:  # its size, not an engine fault: not counted towards the engine's death
                 self._notify_step(time.perf_counter() - started, False)
@@ -236,7 +251,7 @@ class StepLoop:
                     self._fail(request, failure)
             return None
         self._notify_step(time.perf_counter() - started, False)
-        self._step_failed([c.request for c in plan.chunks], error)
+        self._step_failed([c.request for c in live], error)
         return None
 
     def _apply(self, plan: StepPlan, output: StepOutput, started: float) -> None:
@@ -256,7 +271,7 @@ class StepLoop:
         self._ended(result.finished, result.num_tokens)
         self.last_step_ms = (time.perf_counter() - started) * 1e3
         if plan.chunks and plan.num_tokens == len(plan.chunks) and not plan.compressions:  # decode-only: by batch
-            self._decode_steps.add(len(plan.chunks), self.last_step_ms, self.worker.last_forward_ms)
+            self._decode_steps.add(len(plan.chunks), self.last_step_ms, output.forward_ms)
 
     async def _run_static_batch(self) -> None:
         scheduler = self.scheduler

@@ -29,7 +29,8 @@ cached, so queued requests' prefixes never hold what the running ones need.
 Tiers may also listen to evictions (`evict_listeners`: copy a block out
 before it is reused) and to blocks as they fill (`commit_listeners`).
 
-All methods run on the event loop, between steps.
+All methods run on the event loop: between steps, or, with `async_scheduling`, while a step planned ahead
+runs, which writes only a position past every committed block.
 """
 
 from __future__ import annotations

@@ -163,6 +163,7 @@ class ModelWorker:
             return StepOutput(SamplerOutput([], None), [], compressed=compressed)
         output = self._forward_and_sample(plan)
         output.compressed = compressed
+        output.forward_ms = self.last_forward_ms
         sampled = output.sampled
         sampling = [c for c in plan.chunks if c.samples]
         self._last_tokens = {c.request: sampled.token_ids[j] for j, c in enumerate(sampling)
