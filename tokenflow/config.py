@@ -279,8 +279,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
         "steps only (no waiting request, grammar, penalties, min_tokens, logit_bias, prompt logprobs, "
         "speculation, sliding window or kv_compression; those steps plan as usual). A request that stops on EOS "
         "or a stop string computes one token more, which is dropped, and a new request is admitted one step "
-        "later. On the 2-core CPU: +3.5% requests/s and +38% TTFT p50 at concurrency 16, so off by default; on "
-        "CUDA unmeasured (`scripts/gpu_check.py` times it)")] = False
+        "later. On the 2-core CPU at concurrency 16, requests/s within run-to-run noise and TTFT p50 7-38% "
+        "worse (docs/benchmarks.md), so off by default; on CUDA unmeasured (`scripts/gpu_check.py` times it)")] = False
     cuda_graphs: Annotated[bool, _help(
         "on CUDA, Llama-family models: decode-only steps replayed from CUDA graphs captured at start, one per "
         "(batch, context) bucket (see How it works); 4.7x the requests/s of eager steps at concurrency 16 on an "

@@ -202,6 +202,7 @@ class StepLoop:
                 return
             self._apply(plan, output, started)  # while the ahead plan runs
             self._reap_aborted()
+            await anyio.lowlevel.checkpoint()  # callers its chunks woke send their next request before the next plan
             plan, job, started = ahead, ahead_job, ahead_started
 
     def _plan_ahead(self, plan: StepPlan) -> StepPlan | None:
