@@ -4,8 +4,10 @@ short prompts start first, forced preemption keeps outputs identical, watermarks
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -155,6 +157,14 @@ async def _admission_order(model: Path, token_wait_s: float, lengths: list[int],
     rng = random.Random(3)
     finished: list[int] = []
     async with Engine(model, max_num_seqs=1, max_batch_tokens=64, prompt_token_wait_s=token_wait_s) as engine:
+        backend = engine._loop.backend
+        real_execute = backend.execute
+
+        def held_step(plan: StepPlan) -> Any:  # 2 ms a step: the holder's 2,000 tokens outlast the queueing
+            time.sleep(0.002)                 # on any CPU (a fast one decoded them within the 0.5 s gap)
+            return real_execute(plan)
+
+        backend.execute = held_step
         held = anyio.Event()
 
         async def holder() -> None:
