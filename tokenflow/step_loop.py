@@ -190,13 +190,14 @@ class StepLoop:
         started = time.perf_counter()
         while True:  # with async scheduling, decode steps chain: each planned and queued while the one before runs
             ahead = self._plan_ahead(plan)
-            ahead_job = self.worker.submit(ahead) if ahead is not None else None
-            self.num_ahead_steps += ahead is not None
-            output = await self._await_step(plan, job, started, ahead_job)
-            if ahead is None or ahead_job is None:
+            if ahead is None:
+                output = await self._await_step(plan, job, started, None)
                 if output is not None:
                     self._apply(plan, output, started)
                 return
+            ahead_job = self.worker.submit(ahead)
+            self.num_ahead_steps += 1
+            output = await self._await_step(plan, job, started, ahead_job)
             ahead_started = time.perf_counter()  # the model thread went on to the ahead plan
             if output is None:  # `plan` did not run: the ahead plan, already settled, had no tokens to run on
                 return

@@ -161,11 +161,11 @@ class ModelWorker:
         compressed = [self._compress(job) for job in plan.compressions]
         if not plan.chunks:
             return StepOutput(SamplerOutput([], None), [], compressed=compressed)
-        output = self._forward_and_sample(plan)
+        sampling = [c for c in plan.chunks if c.samples]  # read once: the event loop may move requests on after
+        output = self._forward_and_sample(plan, sampling)
         output.compressed = compressed
         output.forward_ms = self.last_forward_ms
         sampled = output.sampled
-        sampling = [c for c in plan.chunks if c.samples]
         self._last_tokens = {c.request: sampled.token_ids[j] for j, c in enumerate(sampling)
                              if j not in sampled.failed and not c.draft}
         return output
@@ -186,9 +186,9 @@ class ModelWorker:
             return False
         return True
 
-    def _forward_and_sample(self, plan: StepPlan) -> StepOutput:
+    def _forward_and_sample(self, plan: StepPlan, sampling: list[ScheduledChunk]) -> StepOutput:
+        """`sampling`: the plan's chunks that sample, in order."""
         backend = cast(StepBackend, self.backend)
-        sampling = [c for c in plan.chunks if c.samples]
         constrained = [(j, c.request.constraint) for j, c in enumerate(sampling) if c.request.constraint is not None]
         lazy = [(j, m) for j, m in constrained if not masked_first(sampling[j].request.params)]
         filling = self.masks.start([(j, m) for j, m in constrained if masked_first(sampling[j].request.params)])
@@ -207,13 +207,13 @@ class ModelWorker:
             if not rows:
                 return StepOutput(SamplerOutput(token_ids=[], logprobs=None), [])
             return StepOutput(self._sample(logits, rows, masks, lazy), [[] for _ in rows])
-        return self._sample_drafts_and_prompts(plan, logits, rows, masks, lazy)
+        return self._sample_drafts_and_prompts(plan, sampling, logits, rows, masks, lazy)
 
-    def _sample_drafts_and_prompts(self, plan: StepPlan, logits: torch.Tensor, rows: list[SamplingRow],
-                                   masks: StepMasks | None, lazy: list[tuple[int, LLMatcher]]) -> StepOutput:
+    def _sample_drafts_and_prompts(self, plan: StepPlan, sampling: list[ScheduledChunk], logits: torch.Tensor,
+                                   rows: list[SamplingRow], masks: StepMasks | None,
+                                   lazy: list[tuple[int, LLMatcher]]) -> StepOutput:
         """A step with draft tokens to verify or prompt tokens to score: each chunk's rows of logits are
         split into those, and the row of its known token, which is sampled."""
-        sampling = [c for c in plan.chunks if c.samples]
         first: list[int] = []  # each sampling chunk's row of logits for its known token
         after_draft: list[list[int]] = []
         scored: list[tuple[Request, int, list[dict[int, float]]]] = []

@@ -239,18 +239,11 @@ static inline __mmask16 lanes_below(int64_t j, int64_t limit)
 
 /* A row's scaled scores x[0, seen) (bf16 values held in fp32; `top` their max) into probabilities
  * p[0, padded): exp(x - top) / sum rounded to bf16, as eager bf16 attention rounds them, zeros past `seen`.
- * x is overwritten; both rows have room up to `padded` rounded up to 16. */
+ * x is overwritten; both rows have room up to `padded` rounded up to 16 (x's lanes past `seen` are read as
+ * they are and masked). */
 static inline void bf16_probabilities(float *x, uint16_t *p, int64_t seen, int64_t padded, float top)
 {
-    const __m512 m = _mm512_set1_ps(top);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < seen; j += 16) {
-        const __mmask16 live = lanes_below(j, seen);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + j), m));
-        _mm512_storeu_ps(x + j, e);
-        sum = _mm512_mask_add_ps(sum, live, sum, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    const __m512 inv = _mm512_set1_ps(1.f / exp_minus(x, seen, top));
     for (int64_t j = 0; j < padded; j += 16) {
         const __m512 prob = _mm512_maskz_mul_ps(lanes_below(j, seen), _mm512_loadu_ps(x + j), inv);
         _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(prob));

@@ -26,15 +26,11 @@ static inline __m512 exp16(__m512 x)
     return _mm512_scalef_ps(e, k);
 }
 
-/* Softmax's middle, in place on `n` scores: subtract their max, exponentiate; returns the sum. */
-static inline float exp_minus_max(float *s, int64_t n)
+/* In place on `n` scores whose max is `top`: exponentiate each minus it; returns their sum. */
+static inline float exp_minus(float *s, int64_t n, float top)
 {
-    __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
-        top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, s + j));
-    }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    const __m512 m = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), m));
@@ -42,6 +38,17 @@ static inline float exp_minus_max(float *s, int64_t n)
         sum = _mm512_mask_add_ps(sum, live, sum, e);
     }
     return _mm512_reduce_add_ps(sum);
+}
+
+/* Softmax's middle, in place on `n` scores: subtract their max, exponentiate; returns the sum. */
+static inline float exp_minus_max(float *s, int64_t n)
+{
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, s + j));
+    }
+    return exp_minus(s, n, _mm512_reduce_max_ps(top));
 }
 #else
 /* Softmax's middle, in place on `n` scores: subtract their max, exponentiate; returns the sum. */
