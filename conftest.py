@@ -9,11 +9,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 # test file or folder -> the modules it needs that `--dev` does not install
 NEEDS_DEV_ALL = {
     "tests/serve/test_dashboard.py": ("playwright",),
     "tests/serve/test_lm_eval.py": ("lm_eval",),
+    "tests/runtime/test_triton_decode.py": ("triton",),  # the GPU kernel on Triton's interpreter
     "plugins/tokenflow-ray/tests": ("ray", "tokenflow_ray"),
 }
 
@@ -21,6 +23,12 @@ NEEDS_DEV_ALL = {
 def _missing(modules: tuple[str, ...]) -> list[str]:
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
+
+# Where no GPU is, Triton kernels (tests/runtime/test_triton_decode.py) run on Triton's interpreter, which has to be
+# chosen before triton is imported (its own library's functions are compiled or interpreted from then on), and
+# test modules import it through transformers and torchao.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 LEFT_OUT = {path: missing for path, modules in NEEDS_DEV_ALL.items() if (missing := _missing(modules))}
 _ROOT = Path(__file__).parent

@@ -124,12 +124,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "T
            "In 1969, astronauts", "A haiku about autumn:", "SELECT name FROM", "The largest planet is"]
 
 
-async def check_oracle_real(model: str, device: str, dtype: str, cuda_graphs: bool = True) -> None:
+async def check_oracle_real(model: str, device: str, dtype: str, cuda_graphs: bool = True,
+                            graph_attention: str = "gathered") -> None:
     from transformers import AutoModelForCausalLM
 
     from tokenflow import Engine
 
-    async with Engine(model, device=device, dtype=dtype, cuda_graphs=cuda_graphs) as engine:
+    async with Engine(model, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+                      cuda_graph_attention=graph_attention) as engine:
         ours = [await engine.generate(p, max_tokens=32, temperature=0.0, logprobs=5, ignore_eos=True)
                 for p in PROMPTS]
         path = engine.loaded.model.name_or_path
@@ -154,9 +156,10 @@ async def check_oracle_real(model: str, device: str, dtype: str, cuda_graphs: bo
                                      f"{top[0]}: not in each other's top 5")
             diverged += 1
             break
-    name = f"oracle_{dtype}" + ("" if cuda_graphs else "_eager")
-    RESULTS[name] = {"identical_tokens": identical, "sequences_diverged": diverged, "max_logprob_diff": worst}
-    report(f"oracle, SmolLM2 {dtype}{'' if cuda_graphs else ' (no graphs)'} vs transformers eager",
+    how = ("" if cuda_graphs else "_eager") + ("_triton" if graph_attention == "triton" else "")
+    RESULTS[f"oracle_{dtype}{how}"] = {"identical_tokens": identical, "sequences_diverged": diverged,
+                                       "max_logprob_diff": worst}
+    report(f"oracle, SmolLM2 {dtype}{how.replace('_', ' ')} vs transformers eager",
            f"ok: {identical} of {32 * len(PROMPTS)} tokens identical, {diverged} sequences diverged within "
            f"vLLM's top-5 rule; max |logprob diff| {worst:.3f} before any divergence")
 
@@ -241,7 +244,7 @@ def _report_pass(name: str, result: dict[str, Any], concurrency: int) -> None:
 
 SPEED_VARIANTS: dict[str, dict[str, Any]] = {
     "graphs": {}, "graphs-async": {"async_scheduling": True}, "eager": {"cuda_graphs": False},
-    "graphs-512": {"max_batch_tokens": 512},
+    "graphs-512": {"max_batch_tokens": 512}, "graphs-triton": {"cuda_graph_attention": "triton"},
 }
 
 
@@ -447,6 +450,13 @@ async def check_sampling(model: str, device: str) -> None:
 
 
 # -- 9. real-size shapes ----------------------------------------------------------------------------------
+def _triton_figures(t: dict[str, float] | None) -> str:
+    if t is None:
+        return ""
+    return (f"; triton {t['step_ms_device_greedy']:.2f} ms ({t['of_roofline']:.1%}, logits within "
+            f"{t['max_logit_diff']:.3f} of {t['max_logit']:.1f})")
+
+
 async def check_shapes(device: str, shapes: list[str], peers: list[str], dry_run: bool) -> None:
     dev = torch.device(device)
     limits = gpu_shapes.device_limits(dev, torch.bfloat16, dry_run)
@@ -460,8 +470,8 @@ async def check_shapes(device: str, shapes: list[str], peers: list[str], dry_run
         RESULTS[f"shape {name}"] = r
         steps = "; ".join(
             f"b{b}: {d['step_ms_device_greedy']:.2f} ms ({d['tokens_per_s']:.0f} tok/s, {d['of_roofline']:.1%} "
-            f"of roofline; top-p {d['step_ms_device_top_p']:.2f}, logits to the host {d['step_ms_logits_to_host']:.2f})"
-            for b, d in r["decode"].items())
+            f"of roofline; top-p {d['step_ms_device_top_p']:.2f}, logits to the host {d['step_ms_logits_to_host']:.2f}"
+            f"{_triton_figures(d.get('triton'))})" for b, d in r["decode"].items())
         pre = r["prefill"]
         line = (f"{r['parameters'] / 1e6:,.1f} M params; decode {steps}; prefill {pre['tokens']}: "
                 f"{pre['tokens_per_s']:.0f} tok/s ({pre['of_roofline']:.1%} of roofline)")
@@ -488,6 +498,7 @@ async def main(args: argparse.Namespace) -> int:
         "oracle_bf16": lambda: check_oracle_real(args.model, device, "bfloat16"),
         "oracle_fp32": lambda: check_oracle_real(args.model, device, "float32"),
         "oracle_bf16_eager": lambda: check_oracle_real(args.model, device, "bfloat16", cuda_graphs=False),
+        "oracle_fp32_triton": lambda: check_oracle_real(args.model, device, "float32", graph_attention="triton"),
         "out_of_memory": lambda: check_out_of_memory(args.model, device),
         "speed": lambda: check_speed(args.model, device, args.requests, args.speed_variants.split(","),
                                      [int(c) for c in args.concurrency.split(",")], not args.no_naive),
@@ -511,9 +522,9 @@ if __name__ == "__main__":
     parser.add_argument("model", nargs="?", default="smollm2-135m")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--checks", default="load,oracle_tiny,oracle_bf16,oracle_fp32,oracle_bf16_eager,"
-                                            "sampling,shapes,out_of_memory,speed,profile,int8")
-    parser.add_argument("--speed-variants", default="graphs,graphs-async,eager,graphs-512",
+    parser.add_argument("--checks", default="load,oracle_tiny,oracle_bf16,oracle_fp32,oracle_fp32_triton,"
+                                            "oracle_bf16_eager,sampling,shapes,out_of_memory,speed,profile,int8")
+    parser.add_argument("--speed-variants", default="graphs,graphs-triton,graphs-async,eager,graphs-512",
                         help=f"of {', '.join(SPEED_VARIANTS)}")
     parser.add_argument("--concurrency", default="16,1")
     parser.add_argument("--no-naive", action="store_true", help="skip naive transformers in the speed check")

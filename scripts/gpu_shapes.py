@@ -11,7 +11,8 @@ each, in one run:
   `generate_batch` at concurrency 16;
 - tokenflow's paged backend on that model (CUDA graphs, device sampling): decode steps at batch 1, 16 and 64
   at position `context` (1,024 cached tokens with it: a whole context bucket of 64 blocks), timed from the host
-  (staging, replay, the tokens back), and a prefill of `prefill` tokens; each against its floor
+  (staging, replay, the tokens back), again with the Triton decode kernel (`cuda_graph_attention="triton"`)
+  where triton runs, and a prefill of `prefill` tokens; each against its floor
   (`benchmarks.step_parts.step_floor`: weights and cached K/V read once at the measured bandwidth, or the step's
   arithmetic at the measured matmul rate, whichever is longer).
 
@@ -157,6 +158,34 @@ def tokenflow_backend(model: Any, device: torch.device, dtype: str, max_rows: in
     return backend
 
 
+def triton_runs(device: torch.device) -> bool:
+    """Whether the Triton decode kernel runs here: on CUDA with triton installed, or on its interpreter."""
+    import os
+
+    from tokenflow.runtime.attention.triton_decode import triton_available
+
+    return triton_available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def triton_decode_figures(runner: Any, greedy: Callable[[], Any], logits: Callable[[], Any], device: torch.device,
+                          repeats: int, batch: int, floor_ms: float) -> dict[str, float]:
+    """The same decode step with `cuda_graph_attention="triton"` (graphs captured again), and how far its logits
+    are from the gathered path's; the graphs go back to the gathered path after."""
+    graphs = runner.graphs
+    gathered_logits = logits()
+    try:
+        graphs.release()
+        graphs.kernel = "triton"
+        greedy_ms = timed_ms(greedy, device, repeats)
+        triton_logits = logits()
+    finally:
+        graphs.release()
+        graphs.kernel = "gathered"
+    return {"step_ms_device_greedy": greedy_ms, "tokens_per_s": batch / (greedy_ms / 1e3),
+            "of_roofline": floor_ms / greedy_ms, "max_logit_diff": float((triton_logits - gathered_logits).abs().max()),
+            "max_logit": float(gathered_logits.abs().max())}
+
+
 def measure_shape(name: str, device: torch.device, limits: dict[str, float], *, dry_run: bool,
                   batches: tuple[int, ...] = (1, 16, 64), context: int = 1023, prefill: int = 2048,
                   peers: bool = True) -> dict[str, Any]:
@@ -208,6 +237,9 @@ def measure_shape(name: str, device: torch.device, limits: dict[str, float], *, 
             "step_ms_logits_to_host": timed_ms(step(None), device, repeats),  # forward + logits copy, no sampling
             "tokens_per_s": batch / (greedy_ms / 1e3), "floor_ms": floor_ms, "of_roofline": floor_ms / greedy_ms,
         }
+        if triton_runs(device):
+            decode[str(batch)]["triton"] = triton_decode_figures(runner, step(rows), step(None), device, repeats,
+                                                                 batch, floor_ms)
     result["decode"] = decode
     first = max(batches) * per_row
     table = list(range(first, first + -(-prefill // BLOCK)))

@@ -285,6 +285,13 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
         "on CUDA, Llama-family models: decode-only steps replayed from CUDA graphs captured at start, one per "
         "(batch, context) bucket (see How it works); 4.7x the requests/s of eager steps at concurrency 16 on an "
         "H200")] = True
+    cuda_graph_attention: Annotated[Literal["gathered", "triton"], _help(
+        "how the CUDA-graph decode steps attend: `gathered` copies each row's blocks of its context bucket into "
+        "one padded tensor and runs SDPA with a length mask; `triton` reads each row's blocks in place through "
+        "its block table, to its own length, split over enough programs to fill the GPU (flash-decoding), with "
+        "no gather and no mask. `triton` needs the triton package (CUDA builds of torch ship it; `gathered` "
+        "serves where it is missing). Its arithmetic is tested on the CPU under Triton's interpreter; not yet "
+        "timed on a GPU (`scripts/gpu_check.py` times both), so `gathered` stays the default")] = "gathered"
     speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=16), _help(
         "`paged`, greedy requests without penalties or logprobs: each step proposes up to this many draft tokens "
         "by n-gram lookup in the request's own context (prompt lookup decoding) and verifies them in the same "

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tokenflow.runtime.attention.triton_decode import triton_available
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -31,6 +33,10 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         for figures in shape["decode"].values():
             assert 0 < figures["of_roofline"] < 1
             assert figures["step_ms_device_greedy"] > 0 and figures["step_ms_logits_to_host"] > 0
+            if triton_available():  # the Triton decode kernel, on its interpreter here (conftest.py)
+                triton = figures["triton"]
+                assert triton["step_ms_device_greedy"] > 0 and 0 < triton["of_roofline"] < 1
+                assert triton["max_logit_diff"] <= 0.02 * triton["max_logit"]
         assert 0 < shape["prefill"]["of_roofline"] < 1
         assert shape["transformers_static_b1"]["tokens_per_s"] > 0
         assert shape["transformers_generate_batch_c16"]["tokens"] == 4 * 8  # every request its 8 tokens

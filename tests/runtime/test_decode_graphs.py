@@ -8,6 +8,7 @@ runs only on CUDA (scripts/gpu_check.py).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
@@ -28,21 +29,26 @@ def test_context_buckets() -> None:
     assert context_buckets(5) == [5]
 
 
-def _runner(name: str = "llama", num_blocks: int = 96) -> tuple[PagedModelRunner, BlockPool, torch.nn.Module]:
+def runner_with_graphs(name: str = "llama", num_blocks: int = 96, **graph_options: Any
+                       ) -> tuple[PagedModelRunner, BlockPool, torch.nn.Module]:
     model = build(name)
     ref = copy.deepcopy(model)
     cache = KVCache.for_model(model.config, num_blocks=num_blocks + 1, block_size=BLOCK, dtype=torch.float32)
     runner = PagedModelRunner(model, cache)
     assert runner.fused is not None
     runner.graphs = DecodeGraphs(runner.fused, cache, batch_sizes=[1, 2, 4, 8], max_model_len=512,
-                                 scratch_block=num_blocks, capture=False, attention=runner.attention, vocab_size=256)
+                                 scratch_block=num_blocks, capture=False, attention=runner.attention, vocab_size=256,
+                                 **graph_options)
     return runner, BlockPool(num_blocks, BLOCK), ref
 
 
 def test_fixed_shape_decodes_equal_transformers_across_buckets() -> None:
+    decodes_equal_transformers(*runner_with_graphs())
+
+
+def decodes_equal_transformers(runner: PagedModelRunner, pool: BlockPool, ref: torch.nn.Module) -> None:
     """Five sequences decode side by side from prompts of 3 to 70 tokens, so the batch is padded (5 -> 8,
     later fewer) and contexts cross block boundaries and the 8-block context bucket."""
-    runner, pool, ref = _runner()
     graphs = runner.graphs
     assert graphs is not None
     g = torch.Generator().manual_seed(3)
@@ -69,7 +75,7 @@ def test_fixed_shape_decodes_equal_transformers_across_buckets() -> None:
 
 
 def test_padding_rows_write_only_the_scratch_block() -> None:
-    runner, pool, _ = _runner()
+    runner, pool, _ = runner_with_graphs()
     assert runner.graphs is not None
     seqs = [Seq(list(range(5 + 7 * i, 14 + 7 * i))) for i in range(3)]
     runner.execute([s.chunk(pool, 64) for s in seqs])
@@ -87,7 +93,7 @@ def test_padding_rows_write_only_the_scratch_block() -> None:
 
 
 def test_steps_that_do_not_fit_take_the_dynamic_path() -> None:
-    runner, pool, _ = _runner()
+    runner, pool, _ = runner_with_graphs()
     graphs = runner.graphs
     assert graphs is not None
     seq = Seq(list(range(20)))
@@ -102,7 +108,7 @@ def test_device_sampled_steps_draw_what_the_host_sampler_draws_from_their_logits
     """Each decode step runs twice (the second writes the same K/V again): once handing its logits to the
     host sampler, once drawing on the device with generators seeded alike. Every row's token is the same,
     through padding (5 rows in the 8-row bucket) and all three sampling variants."""
-    runner, pool, _ = _runner()
+    runner, pool, _ = runner_with_graphs()
     graphs = runner.graphs
     assert graphs is not None
     drawn = [dict(temperature=0.8), dict(temperature=1.0, top_p=0.9), dict(temperature=1.3, top_k=5, min_p=0.05)]
@@ -141,7 +147,7 @@ def test_a_sampling_graph_that_cannot_be_captured_leaves_sampling_to_the_host() 
     """A capture error in a sampling graph (any error, not only out of memory) turns device sampling off: the
     step, and every later one, returns its logits for the host sampler instead of failing; uniforms are drawn
     only for steps that do sample on the device, so seeded streams stay the host's."""
-    runner, pool, _ = _runner()
+    runner, pool, _ = runner_with_graphs()
     graphs = runner.graphs
     assert graphs is not None
     graphs.capture, graphs._pool = True, (0, 0)  # capture on demand, as on CUDA (the pool is never used here)

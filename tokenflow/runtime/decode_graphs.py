@@ -9,7 +9,8 @@ A graph replays fixed shapes on fixed buffers, so each step is padded to a bucke
   write their K/V into a scratch block that no sequence owns and are never sampled;
 - context: a power-of-two count of blocks (at least `MIN_CONTEXT_BLOCKS`); each row gathers that
   many blocks from its row of a padded block table, and a mask hides keys past its own length
-  (`attention.static_decode`).
+  (`attention.static_decode`); or, with `cuda_graph_attention="triton"`, a Triton kernel reads each row's
+  blocks in place to its own length (`attention.triton_decode`), split over as many programs as fill the GPU.
 A step's inputs (token, position, slot, length and block table of each row) are packed on the host
 into one pinned buffer and copied to the device in one transfer; the graph reads them from there.
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -44,6 +45,7 @@ from tokenflow.protocols import DeviceTokens
 from tokenflow.runtime.attention.layer import LayerAttention
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, sdpa_backends
 from tokenflow.runtime.attention.static_decode import StaticDecode
+from tokenflow.runtime.attention.triton_decode import decode_splits
 from tokenflow.runtime.device_sampler import DeviceSampler, Draw, draw_of
 
 if TYPE_CHECKING:
@@ -68,6 +70,13 @@ def context_buckets(max_blocks: int) -> list[int]:
     return [*sizes, max_blocks]
 
 
+def _device_programs(device: torch.device) -> int:
+    """Twice the streaming multiprocessors of a CUDA device; elsewhere (the CPU tests) a small fixed count."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 16
+
+
 def _bucket(n: int, sizes: list[int]) -> int:
     return next(size for size in sizes if size >= n)
 
@@ -78,10 +87,14 @@ class DecodeGraphs:
     def __init__(
         self, decoder: FusedDecoder, kv_cache: KVCache, *, batch_sizes: list[int], max_model_len: int,
         scratch_block: int, capture: bool, attention: LayerAttention, vocab_size: int,
-        eos_token_ids: Sequence[int] = (),
+        eos_token_ids: Sequence[int] = (), kernel: Literal["gathered", "triton"] = "gathered",
+        programs: int | None = None,
     ) -> None:
         self.decoder = decoder
         self.attention = attention  # the runner's (KV write + the fixed-shape decode)
+        self.kernel = kernel  # how a step's attention reads the blocks (`StaticDecode.kernel`)
+        # triton: programs a layer's attention should run to fill the device (twice its SMs)
+        self.programs = programs or _device_programs(kv_cache.device)
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.batch_sizes = sorted(batch_sizes)
@@ -201,11 +214,16 @@ class DecodeGraphs:
     def _forward(self, rows: int, blocks: int) -> torch.Tensor:
         """The fixed-shape decode over the device buffers; float32 logits `[rows, vocab]`."""
         keys = blocks * self.block_size
-        mask = (self.key_positions[:keys][None, :] < self.lengths[:rows, None]).view(rows, 1, 1, keys)
+        table, lengths = self.table[:rows, :blocks], self.lengths[:rows]
+        if self.kernel == "triton":
+            splits = decode_splits(rows, self.kv_cache.num_kv_heads, blocks, self.programs)
+            step = StaticDecode(table, lengths, None, "triton", splits)
+        else:
+            mask = (self.key_positions[:keys][None, :] < lengths[:, None]).view(rows, 1, 1, keys)
+            step = StaticDecode(table, lengths, mask)
         meta = PagedAttentionMetadata(
             kv_cache=self.kv_cache, slot_mapping=self.slots[:rows], num_tokens=rows, max_context=keys,
-            decodes=(), prefills=(), static_decode=StaticDecode(self.table[:rows, :blocks], mask),
-            attention=self.attention,
+            decodes=(), prefills=(), static_decode=step, attention=self.attention,
         )
         ids, positions = self.ids[:rows].view(1, rows), self.positions[:rows].view(1, rows)
         with sdpa_backends(self.kv_cache.device):

@@ -4,16 +4,20 @@ A graph replays the same kernels on the same buffers, so nothing about a step ma
 or the Python path: every row of a batch bucket gathers the same number of blocks (the context
 bucket) from its row of a padded block table, and a mask built once per step from each row's length
 hides the keys past it. GQA as in the dynamic path: the G query heads of a KV head are G query rows.
+With `kernel="triton"` (`cuda_graph_attention`), a Triton kernel reads each row's blocks in place to its own
+length instead (`attention.triton_decode`): no gather, no mask.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from tokenflow.kv.kv_cache import KVCache
+from tokenflow.runtime.attention.triton_decode import paged_decode_attention
 
 __all__ = ("StaticDecode", "static_decode_attention")
 
@@ -23,7 +27,10 @@ class StaticDecode:
     """One token per row for every row of the step; shapes fixed by the (batch, context) bucket."""
 
     block_table: torch.Tensor  # [rows, blocks] long: each row's blocks, padded with the scratch block
-    mask: torch.Tensor  # [rows, 1, 1, blocks * block_size] bool, True = attend (key position < row length)
+    lengths: torch.Tensor  # [rows] long: the keys each row attends to
+    mask: torch.Tensor | None  # [rows, 1, 1, blocks * block_size] bool, True = attend (key position < row length)
+    kernel: Literal["gathered", "triton"] = "gathered"
+    splits: int = 1  # triton: programs per (row, KV head), each over a share of the bucket's blocks
 
 
 def static_decode_attention(
@@ -34,6 +41,10 @@ def static_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """Attend each row's query over its blocks; returns `[rows, H, D]`."""
+    if step.kernel == "triton":
+        return paged_decode_attention(q_rows, cache.k[layer], cache.v[layer], step.block_table, step.lengths,
+                                      scale, step.splits)
+    assert step.mask is not None
     rows, num_heads, head_dim = q_rows.shape
     num_kv_heads = cache.num_kv_heads
     blocks = step.block_table.shape[1]

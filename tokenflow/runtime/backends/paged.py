@@ -10,7 +10,7 @@ the scheduler and the tiers find as `EngineContext.pool`.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -20,6 +20,7 @@ from tokenflow.errors import ModelLoadError
 from tokenflow.hub.cache import tokenflow_home
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.protocols import DeviceTokens, EngineContext, StepPlan
+from tokenflow.runtime.attention.triton_decode import triton_available
 from tokenflow.runtime.compiled import compile_mlps, decode_buckets, padded_size
 from tokenflow.runtime.cpu.packed_linear import pack_linears
 from tokenflow.runtime.cpu.rms_norm import fuse_rms_norms
@@ -247,6 +248,7 @@ class PagedBackend:
             self.runner.fused, kv_cache, batch_sizes=decode_buckets(self.config.max_num_seqs),
             max_model_len=ctx.max_model_len, scratch_block=self.scratch_block, capture=capture,
             attention=self.runner.attention, vocab_size=ctx.vocab_size, eos_token_ids=sorted(ctx.eos_token_ids),
+            kernel=self._graph_attention(),
         )
         if not capture:
             return
@@ -257,6 +259,14 @@ class PagedBackend:
             self.runner.graphs = None
             self.graph_error = repr(exc)
             torch.cuda.empty_cache()
+
+    def _graph_attention(self) -> Literal["gathered", "triton"]:
+        """`cuda_graph_attention`, or `gathered` (said once in the log) where the triton package is missing."""
+        if self.config.cuda_graph_attention == "triton" and not triton_available():
+            log.warning("cuda_graph_attention='triton' but the triton package is not installed: decode steps "
+                        "attend over gathered blocks")
+            return "gathered"
+        return self.config.cuda_graph_attention
 
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
         """Model thread: the final hidden states of `token_ids` (`Engine.embed`), a step's token budget at a
