@@ -15,7 +15,9 @@ import torch
 NEEDS_DEV_ALL = {
     "tests/serve/test_dashboard.py": ("playwright",),
     "tests/serve/test_lm_eval.py": ("lm_eval",),
-    "tests/runtime/test_triton_decode.py": ("triton",),  # the GPU kernel on Triton's interpreter
+    "tests/runtime/test_triton_decode.py": ("triton",),  # the GPU kernels on Triton's interpreter
+    "tests/runtime/test_triton_pointwise.py": ("triton",),
+    "tests/runtime/test_triton_compile.py": ("triton",),  # and compiled for sm_80 / sm_90
     "plugins/tokenflow-ray/tests": ("ray", "tokenflow_ray"),
 }
 

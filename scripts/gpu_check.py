@@ -8,15 +8,16 @@ shows everything that works and everything that does not:
 2. oracle (tiny): a tiny random-weight Llama in fp32, 10 prompts at once with chunked prefill: greedy
    tokens identical to transformers' `generate` on the same device (decode steps replayed from graphs);
 3. oracle (real): the embedded model through tokenflow against transformers' eager forward in the same
-   dtype (bf16, then fp32), judged by vLLM's logprob rule: where the greedy tokens first differ, each
+   dtype (bf16, then fp32, then fp32 with the Triton kernels: `cuda_graph_attention="triton"`,
+   `cuda_triton_ops=True`), judged by vLLM's logprob rule: where the greedy tokens first differ, each
    must be in the other's top 5, and nothing after it is compared;
 4. out of memory: the process may use only part of a largest step's measured peak beyond what the
    engine holds after start (`torch.cuda.set_per_process_memory_fraction`); 16 long prompts arrive at
    once; every caller must get its completion (or an EngineError of its own) and no block may leak;
 5. speed: `tokenflow bench`'s closed-loop workload (chat prompts of ~20-600 tokens, 64 new tokens,
-   greedy, EOS ignored, prefix cache off) at concurrency 16 and 1: CUDA graphs, CUDA graphs with decode
-   steps planned while the one before runs (`async_scheduling=True`), eager, and naive transformers
-   `generate`;
+   greedy, EOS ignored, prefix cache off) at concurrency 16 and 1: CUDA graphs, CUDA graphs with the
+   Triton kernels, CUDA graphs with decode steps planned while the one before runs
+   (`async_scheduling=True`), eager, and naive transformers `generate`;
 6. profile: eager steps under each SDPA backend;
 7. int8: `quantization="int8"` on CUDA (torchao's weight-only int8) against bf16 and fp32: weight
    bytes, perplexity of a held-out text, greedy agreement (`tokenflow bench-quality`'s measures), and
@@ -24,8 +25,9 @@ shows everything that works and everything that does not:
 8. sampling: seeded top-p requests through the engine with decode steps sampled on the device and
    with every step sampled on the host: the same tokens (up to float rounding at a CDF boundary);
 9. shapes: real-size shapes with random weights (`gpu_shapes.py`): decode steps at batch 1, 16, 64 and
-   a 2k-token prefill against the roofline measured in the same run, beside transformers' static-cache
-   `generate` and `generate_batch` on the same model.
+   a 2k-token prefill against the roofline measured in the same run (the decode steps again with the
+   Triton decode attention, and its logits' distance from the gathered path's), beside transformers'
+   static-cache `generate` and `generate_batch` on the same model.
 
     python scripts/gpu_check.py [MODEL] [--device cuda] [--json FILE]
     python scripts/gpu_check.py --dry-run      # on the CPU, tiny shapes: every line of checks 2, 8, 9 runs
@@ -125,13 +127,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "T
 
 
 async def check_oracle_real(model: str, device: str, dtype: str, cuda_graphs: bool = True,
-                            graph_attention: str = "gathered") -> None:
+                            triton: bool = False) -> None:
     from transformers import AutoModelForCausalLM
 
     from tokenflow import Engine
 
-    async with Engine(model, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
-                      cuda_graph_attention=graph_attention) as engine:
+    settings = SPEED_VARIANTS["graphs-triton"] if triton else {}
+    async with Engine(model, device=device, dtype=dtype, cuda_graphs=cuda_graphs, **settings) as engine:
         ours = [await engine.generate(p, max_tokens=32, temperature=0.0, logprobs=5, ignore_eos=True)
                 for p in PROMPTS]
         path = engine.loaded.model.name_or_path
@@ -156,7 +158,7 @@ async def check_oracle_real(model: str, device: str, dtype: str, cuda_graphs: bo
                                      f"{top[0]}: not in each other's top 5")
             diverged += 1
             break
-    how = ("" if cuda_graphs else "_eager") + ("_triton" if graph_attention == "triton" else "")
+    how = ("" if cuda_graphs else "_eager") + ("_triton" if triton else "")
     RESULTS[f"oracle_{dtype}{how}"] = {"identical_tokens": identical, "sequences_diverged": diverged,
                                        "max_logprob_diff": worst}
     report(f"oracle, SmolLM2 {dtype}{how.replace('_', ' ')} vs transformers eager",
@@ -244,7 +246,9 @@ def _report_pass(name: str, result: dict[str, Any], concurrency: int) -> None:
 
 SPEED_VARIANTS: dict[str, dict[str, Any]] = {
     "graphs": {}, "graphs-async": {"async_scheduling": True}, "eager": {"cuda_graphs": False},
-    "graphs-512": {"max_batch_tokens": 512}, "graphs-triton": {"cuda_graph_attention": "triton"},
+    "graphs-512": {"max_batch_tokens": 512},
+    "graphs-triton": {"cuda_graph_attention": "triton", "cuda_triton_ops": True},  # both Triton settings
+    "graphs-triton-attention": {"cuda_graph_attention": "triton"}, "graphs-triton-ops": {"cuda_triton_ops": True},
 }
 
 
@@ -498,7 +502,7 @@ async def main(args: argparse.Namespace) -> int:
         "oracle_bf16": lambda: check_oracle_real(args.model, device, "bfloat16"),
         "oracle_fp32": lambda: check_oracle_real(args.model, device, "float32"),
         "oracle_bf16_eager": lambda: check_oracle_real(args.model, device, "bfloat16", cuda_graphs=False),
-        "oracle_fp32_triton": lambda: check_oracle_real(args.model, device, "float32", graph_attention="triton"),
+        "oracle_fp32_triton": lambda: check_oracle_real(args.model, device, "float32", triton=True),
         "out_of_memory": lambda: check_out_of_memory(args.model, device),
         "speed": lambda: check_speed(args.model, device, args.requests, args.speed_variants.split(","),
                                      [int(c) for c in args.concurrency.split(",")], not args.no_naive),

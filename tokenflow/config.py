@@ -292,6 +292,12 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
         "no gather and no mask. `triton` needs the triton package (CUDA builds of torch ship it; `gathered` "
         "serves where it is missing). Its arithmetic is tested on the CPU under Triton's interpreter; not yet "
         "timed on a GPU (`scripts/gpu_check.py` times both), so `gathered` stays the default")] = "gathered"
+    cuda_triton_ops: Annotated[bool, _help(
+        "on CUDA, the fused layers' RMSNorms, Q/K head norms, RoPE, SiLU product and K/V writes as one Triton "
+        "kernel each instead of chains of torch ops (~13 kernels a layer instead of ~29: a small model's decode "
+        "step is bound by kernel count), with the torch ops' bf16 roundings. Needs the triton package. Their "
+        "arithmetic is tested on the CPU under Triton's interpreter and they compile for sm_80 and sm_90 there; "
+        "not yet run on a GPU (`scripts/gpu_check.py` times them), so off by default")] = False
     speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=16), _help(
         "`paged`, greedy requests without penalties or logprobs: each step proposes up to this many draft tokens "
         "by n-gram lookup in the request's own context (prompt lookup decoding) and verifies them in the same "

@@ -94,12 +94,15 @@ def test_fixed_shape_decodes_through_the_kernel_equal_transformers() -> None:
     decodes_equal_transformers(runner, pool, ref)
 
 
-def test_without_triton_the_graphs_attend_over_gathered_blocks(monkeypatch: pytest.MonkeyPatch,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_the_triton_settings_apply_on_cuda_with_triton_and_say_when_they_cannot(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     assert triton_available()
-    backend = paged_backend.PagedBackend(EngineConfig(cuda_graph_attention="triton"))
+    backend = paged_backend.PagedBackend(EngineConfig(cuda_graph_attention="triton", cuda_triton_ops=True))
     assert backend._graph_attention() == "triton"
+    assert backend._triton_ops(torch.device("cuda")) and not backend._triton_ops(torch.device("cpu"))
+    assert not paged_backend.PagedBackend(EngineConfig())._triton_ops(torch.device("cuda"))  # off by default
     monkeypatch.setattr(paged_backend, "triton_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="tokenflow"):
         assert backend._graph_attention() == "gathered"
-    assert "triton package is not installed" in caplog.text
+        assert not backend._triton_ops(torch.device("cuda"))
+    assert caplog.text.count("triton package is not installed") == 2

@@ -42,6 +42,7 @@ from tokenflow.runtime.cpu.packed_linear import (
 )
 from tokenflow.runtime.cpu.resident_pages import drop_resident_pages
 from tokenflow.runtime.cpu.rms_norm import is_plain_rms_norm
+from tokenflow.runtime.gpu.triton_pointwise import TritonPointwise
 from tokenflow.runtime.layer_families import (
     LayerFamily,
     LayerLinears,
@@ -57,6 +58,8 @@ from tokenflow.runtime.layer_families import (
     model_window,
 )
 from tokenflow.runtime.sampler import GreedyTokens
+
+PointwiseOps = NativeKernels | TritonPointwise  # RoPE, norms and the SiLU product as one call each
 
 __all__ = ("FusedDecoder", "fused_decoder_for", "runs_own_copies")
 
@@ -119,7 +122,7 @@ def _add_linear(linear: Linear, x: torch.Tensor, residual: torch.Tensor) -> torc
 
 
 def _gated_product(gate_up: torch.Tensor, inter: int, activation: torch.nn.Module | None,
-                   native: NativeKernels | None) -> torch.Tensor:
+                   native: PointwiseOps | None) -> torch.Tensor:
     """`act(gate) * up` of `gate_up [T, 2 I]`: SiLU (`activation` None) in one native pass or two torch ops; the
     layer's own GELU module, then the product (transformers' roundings)."""
     if activation is not None:
@@ -130,7 +133,7 @@ def _gated_product(gate_up: torch.Tensor, inter: int, activation: torch.nn.Modul
 
 
 def _gated_down(layer: _Layer, gate_up: torch.Tensor, inter: int, residual: torch.Tensor,
-                native: NativeKernels | None) -> torch.Tensor:
+                native: PointwiseOps | None) -> torch.Tensor:
     """`residual + down(act(gate) * up)` (`residual + out_norm(down(...))` with the layer's MLP out norm): one call
     where the linear forms the SiLU product itself (int8's `gated`), else the product and the down projection with
     the add."""
@@ -146,7 +149,7 @@ def _gated_down(layer: _Layer, gate_up: torch.Tensor, inter: int, residual: torc
 
 
 def _head_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module, heads: int, kv_heads: int,
-                native: NativeKernels | None) -> None:
+                native: PointwiseOps | None) -> None:
     """Qwen3's RMSNorm over each Q head and each K head of `qkv [T, (H + 2 KVH) D]`, in place (transformers
     norms the projections viewed as `[T, heads, D]`; the same arithmetic per head)."""
     t, d = qkv.shape[0], qkv.shape[1] // (heads + 2 * kv_heads)
@@ -256,8 +259,8 @@ def _release_layer(layer: torch.nn.Module, family: LayerFamily) -> int:
 
 
 def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = False, post_ops: bool = False,
-                      native: NativeKernels | None = None, max_context: int | None = None,
-                      release_layers: bool = False) -> FusedDecoder | None:
+                      native: NativeKernels | None = None, pointwise: TritonPointwise | None = None,
+                      max_context: int | None = None, release_layers: bool = False) -> FusedDecoder | None:
     """A FusedDecoder over `model`'s weights, or None when its layers are not the shape it runs (`max_context`:
     the longest context the runner allows; a model-native window at least that long masks nothing;
     `release_layers`: see FusedDecoder)."""
@@ -273,14 +276,15 @@ def fused_decoder_for(model: torch.nn.Module, *, pack: bool, few_rows: bool = Fa
         return None
     with torch.no_grad():
         return FusedDecoder(model, family, pack=pack, few_rows=few_rows, post_ops=post_ops, native=native,
-                            release_layers=release_layers)
+                            pointwise=pointwise, release_layers=release_layers)
 
 
 class FusedDecoder:
     """Runs `model`'s decoder and head on a packed step; see the module doc."""
 
     def __init__(self, model: torch.nn.Module, family: LayerFamily, *, pack: bool, few_rows: bool = False,
-                 post_ops: bool = False, native: NativeKernels | None = None, release_layers: bool = False) -> None:
+                 post_ops: bool = False, native: NativeKernels | None = None,
+                 pointwise: TritonPointwise | None = None, release_layers: bool = False) -> None:
         """`model`'s layers are ones `family` describes (`layer_families.describes`). With `release_layers`, each
         HF layer's linear weights go as soon as the loop holds its copies of them (`release_layer_weights`, one
         layer at a time: the load's peak holds two copies of the weights, not three)."""
@@ -293,6 +297,8 @@ class FusedDecoder:
             pack = few_rows = post_ops = False
         release = release_layers and runs_own_copies(model, pack)
         self.native = native  # bf16, fp32: RoPE on Q and K and the SiLU product as one C call each
+        # the same calls on the GPU, as Triton kernels (`cuda_triton_ops`)
+        self.pointwise: PointwiseOps | None = native or pointwise
         self.model = model
         self.released = release  # the HF layers' linear weights (release_layer_weights)
         self.released_bytes = 0  # of them, where the loop runs copies of them
@@ -427,7 +433,7 @@ class FusedDecoder:
         h = self.embed(input_ids[0])  # [T, hidden]
         if self.embed_multiplier != 1.0:
             h = h * self.embed_multiplier
-        native = self.native if h.dtype in (torch.bfloat16, torch.float32) else None
+        native = self.pointwise if h.dtype in (torch.bfloat16, torch.float32) else None
         ropes = {rope: self._rope(h, position_ids, rope, native) for rope in {layer.rope for layer in self.layers}}
         t = h.shape[0]
         if self._tiles_possible and self._tiles_on != (not meta.prefills):
@@ -487,7 +493,7 @@ class FusedDecoder:
         return self.final_norm(h) if hidden else self._logits(h, greedy)
 
     def _rope(self, h: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None,
-              native: NativeKernels | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+              native: PointwiseOps | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """cos and sin of the step's positions for the layers of `layer_type` (None: the model has one RoPE), and
         whether the native kernel applies them: `[T, D]` each for it, else `[T, 1, D]` (one row per token, for
         every head)."""

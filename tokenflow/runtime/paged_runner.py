@@ -43,6 +43,7 @@ from tokenflow.runtime.attention.topk import RECENT_BLOCKS, TopkDecode
 from tokenflow.runtime.cpu.native_kernels import load_native_kernels
 from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.fused_layers import fused_decoder_for, runs_own_copies
+from tokenflow.runtime.gpu.triton_pointwise import TritonPointwise
 from tokenflow.runtime.layer_families import model_window
 from tokenflow.runtime.lora import LoraAdapter, step_rows
 from tokenflow.runtime.sampler import GreedyTokens, SamplingRow
@@ -224,6 +225,7 @@ class PagedModelRunner:
         fused_layers: bool = True,
         pack_weights: bool = True,
         release_weights: bool = False,
+        triton_ops: bool = False,
     ) -> None:
         check_model_supported(model, max_model_len)
         _check_cache_matches(model, kv_cache)
@@ -247,6 +249,8 @@ class PagedModelRunner:
         # table); over an int8 cache its fp32 form, dequantising as it packs the keys.
         self.native_prefill = self.native is not None and (
             torch.float32 if kv_cache.quantized else kv_cache.dtype) in self.native.prefill_dtypes
+        # the fused layers' norms, RoPE, SiLU product and K/V writes as Triton kernels (`cuda_triton_ops`)
+        self.pointwise = TritonPointwise(kv_cache.head_dim) if triton_ops and self.native is None else None
         self._attention: dict[bool, LayerAttention] = {}  # by cache kind (int8 or not): see `attention_for`
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window
@@ -285,7 +289,8 @@ class PagedModelRunner:
             except Exception as e:  # the model's own forward fails: the self-check would have said so
                 raise ModelLoadError(f"cannot run {type(model).__name__}'s own forward for the self-check: {e}") from e
         self.fused = fused_decoder_for(model, pack=pack_weights, few_rows=fast, post_ops=fast, native=self.native,
-                                       max_context=context, release_layers=release) if fused_layers else None
+                                       pointwise=self.pointwise, max_context=context,
+                                       release_layers=release) if fused_layers else None
         self.graphs: DecodeGraphs | None = None  # decode-only steps at fixed shapes (set by the backend)
         self._switch_to_paged_attention(self_check, references)
 
@@ -318,7 +323,8 @@ class PagedModelRunner:
         found = self._attention.get(cache.quantized)
         if found is None:
             found = self._attention[cache.quantized] = choose_attention(
-                cache, self.native, matmul=self.matmul_attention, native_prefill=self.native_prefill)
+                cache, self.native, matmul=self.matmul_attention, native_prefill=self.native_prefill,
+                write=self.pointwise)
         return found
 
     # ------------------------------------------------------------------ step

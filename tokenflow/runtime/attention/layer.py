@@ -26,6 +26,7 @@ from tokenflow.runtime.attention.snapkv import key_scores
 from tokenflow.runtime.attention.static_decode import static_decode_attention
 from tokenflow.runtime.attention.topk import topk_attention, update_key_bounds
 from tokenflow.runtime.cpu.native_kernels import NativeKernels
+from tokenflow.runtime.gpu.triton_pointwise import TritonPointwise
 
 if TYPE_CHECKING:
     from tokenflow.runtime.attention.paged import DecodeGroup, PagedAttentionMetadata, PrefillSegment
@@ -166,7 +167,8 @@ def masked_gqa_attention(
 
 # -- the layer ---------------------------------------------------------------------------------------
 class LayerAttention:
-    def __init__(self, decode: DecodeAttention, prefill: PrefillAttention, native_write: NativeKernels | None) -> None:
+    def __init__(self, decode: DecodeAttention, prefill: PrefillAttention,
+                 native_write: NativeKernels | TritonPointwise | None) -> None:
         self.decode = decode
         self.prefill = prefill
         self.native_write = native_write  # K/V written by one native call (a float cache), else the cache's own
@@ -247,8 +249,9 @@ def _prompt_key_scores(q_rows: torch.Tensor, cache: KVCache, layer: int, seg: Pr
 
 
 def choose_attention(cache: KVCache, native: NativeKernels | None, *, matmul: bool,
-                     native_prefill: bool) -> LayerAttention:
-    """The variants for this cache, machine and dtype (the runner decides `matmul` and `native_prefill`)."""
+                     native_prefill: bool, write: TritonPointwise | None = None) -> LayerAttention:
+    """The variants for this cache, machine and dtype (the runner decides `matmul` and `native_prefill`;
+    `write`: the GPU's K/V write kernel, where there is no native one)."""
     decode: DecodeAttention
     prefill: PrefillAttention
     if native is not None:
@@ -259,4 +262,4 @@ def choose_attention(cache: KVCache, native: NativeKernels | None, *, matmul: bo
         prefill = NativeInt8Prefill(native) if cache.quantized else NativePrefill(native)
     else:
         prefill = GatheredPrefill(matmul, native if matmul else None)
-    return LayerAttention(decode, prefill, None if cache.quantized else native)
+    return LayerAttention(decode, prefill, None if cache.quantized else (native or write))

@@ -42,79 +42,9 @@ def decode_splits(rows: int, kv_heads: int, blocks: int, programs: int) -> int:
 
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
-    import triton
-    import triton.language as tl
+    from tokenflow.runtime.gpu import triton_kernels  # imports triton
 
-    @triton.jit
-    def split_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, acc_ptr, max_ptr, sum_ptr,
-        scale, table_stride, blocks_per_split, block_stride, slot_stride, head_stride,
-        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, MERGED: tl.constexpr,
-    ):
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        splits = tl.num_programs(2)
-        length = tl.load(lengths_ptr + row)
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, DIM_PAD)
-        n = tl.arange(0, BLOCK_SIZE)
-        heads = kv_head * GROUP + g
-        live = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-        q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :], mask=live, other=0.0)
-        q = q.to(tl.float32) * scale
-        running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        running_sum = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        first = split * blocks_per_split
-        last = tl.minimum(first + blocks_per_split, tl.cdiv(length, BLOCK_SIZE))
-        dims = (d < HEAD_DIM)[None, :]
-        for b in range(first, last):
-            block = tl.load(table_ptr + row * table_stride + b).to(tl.int64)
-            at = block * block_stride + n[:, None] * slot_stride + kv_head * head_stride + d[None, :]
-            keys = (b * BLOCK_SIZE + n) < length  # the block's slots past the length may hold anything: not read
-            k = tl.load(k_ptr + at, mask=keys[:, None] & dims, other=0.0).to(tl.float32)  # [BLOCK_SIZE, DIM_PAD]
-            v = tl.load(v_ptr + at, mask=keys[:, None] & dims, other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_SIZE]
-            scores = tl.where(keys[None, :], scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: a block holds a key below length
-            probs = tl.exp(scores - new_max[:, None])
-            rescale = tl.exp(running_max - new_max)
-            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-            acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
-            running_max = new_max
-        if MERGED:  # one split: the row's whole context, normalised here
-            out = acc / running_sum[:, None]
-            at_out = (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :]
-            tl.store(out_ptr + at_out, out.to(out_ptr.dtype.element_ty), mask=live)
-        else:
-            part = (row * splits + split) * NUM_HEADS + heads  # [GROUP_PAD]
-            tl.store(acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=(g < GROUP)[:, None])
-            tl.store(max_ptr + part, running_max, mask=g < GROUP)
-            tl.store(sum_ptr + part, running_sum, mask=g < GROUP)
-
-    @triton.jit
-    def merge_kernel(
-        out_ptr, acc_ptr, max_ptr, sum_ptr, splits,
-        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    ):
-        row = tl.program_id(0)
-        head = tl.program_id(1)
-        s = tl.arange(0, SPLITS_PAD)
-        d = tl.arange(0, DIM_PAD)
-        part = (row * splits + s) * NUM_HEADS + head  # [SPLITS_PAD]
-        present = s < splits
-        maxes = tl.load(max_ptr + part, mask=present, other=float("-inf"))
-        top = tl.max(maxes, axis=0)
-        weights = tl.where(present, tl.exp(maxes - top), 0.0)  # an empty split (past the length) weighs 0
-        total = tl.sum(tl.load(sum_ptr + part, mask=present, other=0.0) * weights, axis=0)
-        acc = tl.load(acc_ptr + part[:, None] * DIM_PAD + d[None, :], mask=present[:, None], other=0.0)
-        out = tl.sum(acc * weights[:, None], axis=0) / total
-        tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty),
-                 mask=d < HEAD_DIM)
-
-    return split_kernel, merge_kernel
+    return triton_kernels.paged_decode_split, triton_kernels.paged_decode_merge
 
 
 def _power_of_two(n: int) -> int:

@@ -181,6 +181,7 @@ class PagedBackend:
             fused_layers=config.fused_layers and not config.compile and not config.lora_enabled,
             pack_weights=config.pack_cpu_weights and config.quantization is None,
             release_weights=True,  # where the fused layers run packed copies, the HF layers' weights go
+            triton_ops=self._triton_ops(kv_cache.device),
         )
         self._prepare_layers(ctx, model)
         if config.lora_enabled:
@@ -211,7 +212,7 @@ class PagedBackend:
         fused norms and MLPs, then int8 layers, compiled MLPs or packed weights."""
         assert self.runner is not None
         config = self.config
-        fuse_rms_norms(model, self.runner.native)
+        fuse_rms_norms(model, self.runner.native or self.runner.pointwise)
         inplace_gated_mlps(model)  # with `compile`, the eager path of shapes it does not compile
         if config.quantization == "int8":
             self.int8_bytes = quantize_runner(self.runner, ctx.tokenizer, ctx.model_key, tokenflow_home() / "quantized")
@@ -259,6 +260,16 @@ class PagedBackend:
             self.runner.graphs = None
             self.graph_error = repr(exc)
             torch.cuda.empty_cache()
+
+    def _triton_ops(self, device: torch.device) -> bool:
+        """`cuda_triton_ops` on a CUDA device where the triton package is installed (said once in the log where
+        it is missing)."""
+        if not self.config.cuda_triton_ops or device.type != "cuda":
+            return False
+        if not triton_available():
+            log.warning("cuda_triton_ops=True but the triton package is not installed: torch ops serve")
+            return False
+        return True
 
     def _graph_attention(self) -> Literal["gathered", "triton"]:
         """`cuda_graph_attention`, or `gathered` (said once in the log) where the triton package is missing."""

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from tokenflow.runtime.cpu.native_kernels import NativeKernels
+    from tokenflow.runtime.gpu.triton_pointwise import TritonPointwise
 
 __all__ = ("fuse_rms_norms", "is_plain_rms_norm")
 
@@ -43,7 +44,8 @@ def _fused_forward_rounded(module: torch.nn.Module, hidden_states: torch.Tensor)
     return module.weight * normed.to(hidden_states.dtype)
 
 
-def _native_forward(module: torch.nn.Module, native: NativeKernels, hidden_states: torch.Tensor) -> torch.Tensor:
+def _native_forward(module: torch.nn.Module, native: NativeKernels | TritonPointwise,
+                    hidden_states: torch.Tensor) -> torch.Tensor:
     if hidden_states.dtype != module.weight.dtype or not hidden_states.is_contiguous():
         fallback = _fused_forward if module.weight.dtype == torch.float32 else _fused_forward_rounded
         return fallback(module, hidden_states)
@@ -56,9 +58,9 @@ def is_plain_rms_norm(module: object) -> TypeGuard[torch.nn.Module]:
             and hasattr(module, "variance_epsilon"))
 
 
-def fuse_rms_norms(model: torch.nn.Module, native: NativeKernels | None = None) -> int:
-    """Route each known RMSNorm of `model` through `F.rms_norm` (bf16 and fp32 ones on CPU through `native`'s
-    kernel when given); returns how many."""
+def fuse_rms_norms(model: torch.nn.Module, native: NativeKernels | TritonPointwise | None = None) -> int:
+    """Route each known RMSNorm of `model` through `F.rms_norm` (bf16 and fp32 ones through `native`'s kernel when
+    given: the CPU's C kernels, or the GPU's Triton ones); returns how many."""
     count = 0
     for module in model.modules():
         if type(module).__name__ not in _PLAIN_RMS_NORMS:
@@ -66,7 +68,7 @@ def fuse_rms_norms(model: torch.nn.Module, native: NativeKernels | None = None) 
         weight = getattr(module, "weight", None)
         if weight is None or not hasattr(module, "variance_epsilon"):
             continue
-        if native is not None and weight.dtype in (torch.bfloat16, torch.float32) and weight.device.type == "cpu":
+        if native is not None and weight.dtype in (torch.bfloat16, torch.float32):
             module.forward = functools.partial(_native_forward, module, native)
         else:
             forward = _fused_forward if weight.dtype == torch.float32 else _fused_forward_rounded

@@ -1,0 +1,117 @@
+"""The fused layers' pointwise work on the GPU as one Triton kernel each (`cuda_triton_ops`).
+
+Why: a small model's decode step on a GPU is bound by how many kernels it launches, not by their work (a CUDA
+graph replays them back to back, but each still costs a few microseconds). With torch ops a layer runs ~29
+kernels: a bf16 RMSNorm is four (upcast, norm, round, weight), RoPE six, the K/V write two, the SiLU product two.
+Here each of those is one kernel, which brings a layer to ~13 (vLLM's fused_add_rms_norm, rotary_embedding,
+reshape_and_cache and silu_and_mul do the same, in CUDA C).
+
+`TritonPointwise` has the contracts of the CPU's `NativeKernels` for the same work (`rms_norm`, `head_rms_norm_`,
+`rope_`, `silu_mul`, `write_kv`), so the fused layers call either the same way. Each kernel rounds where the torch
+ops it replaces round (bf16: the normalised rows before the weight, each RoPE product and their sum, the SiLU
+before the product), so outputs equal those of transformers' modules up to the order of a sum.
+
+Triton is imported when a kernel is first built: the package is optional, and its interpreter
+(`TRITON_INTERPRET=1`), which the CPU tests run, is chosen when a kernel is decorated.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+__all__ = ("TritonPointwise",)
+
+_FLOATS = (torch.bfloat16, torch.float32)
+_ROWS = 4  # rows per program: fewer launches' worth of programs for a prefill chunk, none wasted on a decode row
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def _kernels() -> Any:
+    from tokenflow.runtime.gpu import triton_kernels  # imports triton
+
+    return triton_kernels
+
+
+def _grid(rows: int) -> tuple[int]:
+    return (-(-rows // _ROWS),)
+
+
+class TritonPointwise:
+    """RMSNorm, Q/K head norms, RoPE, the SiLU product and the K/V write as one Triton kernel each, for bf16 and
+    fp32 rows (the K/V write: any dtype); `NativeKernels`' contracts for the same calls."""
+
+    def __init__(self, head_dim: int) -> None:
+        self.head_dim = head_dim
+        self.kernels: Any = _kernels()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Llama-family RMSNorm of contiguous `x [..., width]` with a `weight [width]` of x's dtype."""
+        width = x.shape[-1]
+        if x.dtype not in _FLOATS or weight.dtype != x.dtype or not x.is_contiguous() or weight.shape != (width,):
+            raise ValueError("rms_norm needs contiguous bf16 or fp32 input and a weight [width] of its dtype")
+        out = torch.empty_like(x)
+        rows = x.numel() // width
+        self.kernels.rms_norm[_grid(rows)](x, weight, out, rows, width, width, eps, width, ROWS=_ROWS,
+                                           WIDTH_PAD=_power_of_two(width), HEADS=1, ROUND=x.dtype != torch.float32)
+        return out
+
+    def head_rms_norm_(self, rows: torch.Tensor, heads: int, weight: torch.Tensor, eps: float) -> None:
+        """RMSNorm in place over each of the first `heads` heads of `rows [n, >= heads * head_dim]` (a slice of a
+        QKV projection), with a `weight [head_dim]` of their dtype: Qwen3's Q and K norms."""
+        n = rows.shape[0]
+        if rows.dtype not in _FLOATS or weight.dtype != rows.dtype or rows.stride(1) != 1 or weight.shape != (
+                self.head_dim,):
+            raise ValueError("head_rms_norm_ needs bf16 or fp32 rows of unit stride and a weight [head_dim] of "
+                             "their dtype")
+        self.kernels.rms_norm[_grid(n)](rows, weight, rows, n, rows.stride(0), rows.stride(0), eps, self.head_dim,
+                                        ROWS=_ROWS, WIDTH_PAD=_power_of_two(self.head_dim), HEADS=heads,
+                                        ROUND=rows.dtype != torch.float32)
+
+    def rope_(self, qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """RoPE in place on the first `heads` heads of `qkv [rows, >= heads * head_dim]` (rows of unit stride),
+        with contiguous `cos`, `sin` `[rows, head_dim]` of its dtype."""
+        rows = qkv.shape[0]
+        if not (qkv.dtype in _FLOATS and qkv.dtype == cos.dtype == sin.dtype and qkv.stride(1) == 1
+                and cos.is_contiguous()
+                and sin.is_contiguous() and cos.shape == sin.shape == (rows, self.head_dim)):
+            raise ValueError("rope_ needs bf16 or fp32 rows of unit stride and contiguous cos, sin [rows, head_dim] "
+                             "of their dtype")
+        half = self.head_dim // 2
+        self.kernels.rope[_grid(rows)](qkv, cos, sin, rows, qkv.stride(0), heads, ROWS=_ROWS, HALF=half,
+                                       HALF_PAD=_power_of_two(half), ROUND=qkv.dtype != torch.float32)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` of a gated MLP's contiguous `gate_up [rows, 2 * inter]`: `[rows, inter]`."""
+        rows, width = gate_up.shape
+        if gate_up.dtype not in _FLOATS or not gate_up.is_contiguous() or width % 2:
+            raise ValueError(f"silu_mul needs contiguous bf16 or fp32 rows of even width, got {gate_up.dtype} "
+                             f"{tuple(gate_up.shape)}")
+        inter = width // 2
+        out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+        columns = min(1024, _power_of_two(inter))
+        self.kernels.silu_mul[(-(-rows // _ROWS), -(-inter // columns))](
+            gate_up, out, rows, inter, ROWS=_ROWS, COLUMNS=columns, ROUND=gate_up.dtype != torch.float32)
+        return out
+
+    def write_kv(self, k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor, k_new: torch.Tensor,
+                 v_new: torch.Tensor) -> bool:
+        """`k_slots[slots] = k_new` and the same for values, for contiguous caches `[num_slots, KVH, D]` and rows
+        `[T, KVH, D]` whose heads are contiguous (views of a QKV projection); False (nothing written) where the
+        layouts differ."""
+        rows = k_new.shape[0]
+        width = k_slots[0].numel()
+        if not (k_new.dtype == v_new.dtype == k_slots.dtype == v_slots.dtype and k_slots.is_contiguous()
+                and v_slots.is_contiguous() and slots.shape == (rows,) and k_new.shape == v_new.shape
+                and k_new.shape[1:] == k_slots.shape[1:] and k_new[0].is_contiguous() and v_new[0].is_contiguous()):
+            return False
+        if rows:
+            self.kernels.write_kv[_grid(rows)](k_new, v_new, slots, k_slots, v_slots, rows, k_new.stride(0),
+                                               v_new.stride(0), width, ROWS=_ROWS, WIDTH_PAD=_power_of_two(width))
+        return True
