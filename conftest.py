@@ -17,6 +17,7 @@ NEEDS_DEV_ALL = {
     "tests/serve/test_lm_eval.py": ("lm_eval",),
     "tests/runtime/test_triton_decode.py": ("triton",),  # the GPU kernels on Triton's interpreter
     "tests/runtime/test_triton_pointwise.py": ("triton",),
+    "tests/runtime/test_triton_varlen.py": ("triton",),
     "tests/runtime/test_triton_compile.py": ("triton",),  # and compiled for sm_80 / sm_90
     "plugins/tokenflow-ray/tests": ("ray", "tokenflow_ray"),
 }

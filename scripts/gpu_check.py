@@ -8,7 +8,7 @@ shows everything that works and everything that does not:
 2. oracle (tiny): a tiny random-weight Llama in fp32, 10 prompts at once with chunked prefill: greedy
    tokens identical to transformers' `generate` on the same device (decode steps replayed from graphs);
 3. oracle (real): the embedded model through tokenflow against transformers' eager forward in the same
-   dtype (bf16, then fp32, then fp32 with the Triton kernels: `cuda_graph_attention="triton"`,
+   dtype (bf16, then fp32, then fp32 with the Triton kernels: `cuda_attention="triton"`,
    `cuda_triton_ops=True`), judged by vLLM's logprob rule: where the greedy tokens first differ, each
    must be in the other's top 5, and nothing after it is compared;
 4. out of memory: the process may use only part of a largest step's measured peak beyond what the
@@ -247,8 +247,8 @@ def _report_pass(name: str, result: dict[str, Any], concurrency: int) -> None:
 SPEED_VARIANTS: dict[str, dict[str, Any]] = {
     "graphs": {}, "graphs-async": {"async_scheduling": True}, "eager": {"cuda_graphs": False},
     "graphs-512": {"max_batch_tokens": 512},
-    "graphs-triton": {"cuda_graph_attention": "triton", "cuda_triton_ops": True},  # both Triton settings
-    "graphs-triton-attention": {"cuda_graph_attention": "triton"}, "graphs-triton-ops": {"cuda_triton_ops": True},
+    "graphs-triton": {"cuda_attention": "triton", "cuda_triton_ops": True},  # both Triton settings
+    "graphs-triton-attention": {"cuda_attention": "triton"}, "graphs-triton-ops": {"cuda_triton_ops": True},
 }
 
 

@@ -11,7 +11,7 @@ each, in one run:
   `generate_batch` at concurrency 16;
 - tokenflow's paged backend on that model (CUDA graphs, device sampling): decode steps at batch 1, 16 and 64
   at position `context` (1,024 cached tokens with it: a whole context bucket of 64 blocks), timed from the host
-  (staging, replay, the tokens back), again with the Triton decode kernel (`cuda_graph_attention="triton"`)
+  (staging, replay, the tokens back), again with the Triton decode kernel (`cuda_attention="triton"`)
   where triton runs, and a prefill of `prefill` tokens; each against its floor
   (`benchmarks.step_parts.step_floor`: weights and cached K/V read once at the measured bandwidth, or the step's
   arithmetic at the measured matmul rate, whichever is longer).
@@ -169,7 +169,7 @@ def triton_runs(device: torch.device) -> bool:
 
 def triton_decode_figures(runner: Any, greedy: Callable[[], Any], logits: Callable[[], Any], device: torch.device,
                           repeats: int, batch: int, floor_ms: float) -> dict[str, float]:
-    """The same decode step with `cuda_graph_attention="triton"` (graphs captured again), and how far its logits
+    """The same decode step with `cuda_attention="triton"` (graphs captured again), and how far its logits
     are from the gathered path's; the graphs go back to the gathered path after."""
     graphs = runner.graphs
     gathered_logits = logits()

@@ -285,13 +285,15 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
         "on CUDA, Llama-family models: decode-only steps replayed from CUDA graphs captured at start, one per "
         "(batch, context) bucket (see How it works); 4.7x the requests/s of eager steps at concurrency 16 on an "
         "H200")] = True
-    cuda_graph_attention: Annotated[Literal["gathered", "triton"], _help(
-        "how the CUDA-graph decode steps attend: `gathered` copies each row's blocks of its context bucket into "
-        "one padded tensor and runs SDPA with a length mask; `triton` reads each row's blocks in place through "
-        "its block table, to its own length, split over enough programs to fill the GPU (flash-decoding), with "
-        "no gather and no mask. `triton` needs the triton package (CUDA builds of torch ship it; `gathered` "
-        "serves where it is missing). Its arithmetic is tested on the CPU under Triton's interpreter; not yet "
-        "timed on a GPU (`scripts/gpu_check.py` times both), so `gathered` stays the default")] = "gathered"
+    cuda_attention: Annotated[Literal["sdpa", "triton"], _help(
+        "on CUDA, how attention reads the paged KV cache: `sdpa` gathers the blocks it needs into a contiguous copy "
+        "and runs torch's SDPA (per decode group and prefill chunk; in CUDA-graph decode steps, over each row's "
+        "context bucket with a length mask); `triton` reads them in place through the block tables, to each "
+        "row's own length: one kernel per layer for every row of a step (decodes and prefill chunks alike), and "
+        "in CUDA-graph decode steps a kernel split over enough programs to fill the GPU (flash-decoding). Needs "
+        "the triton package (`sdpa` serves where it is missing). Tested on the CPU under Triton's interpreter and "
+        "compiled for sm_80 and sm_90 there; not yet run on a GPU (`scripts/gpu_check.py` times both), so "
+        "`sdpa` stays the default")] = "sdpa"
     cuda_triton_ops: Annotated[bool, _help(
         "on CUDA, the fused layers' RMSNorms, Q/K head norms, RoPE, SiLU product and K/V writes as one Triton "
         "kernel each instead of chains of torch ops (~13 kernels a layer instead of ~29: a small model's decode "

@@ -29,12 +29,12 @@ def test_context_buckets() -> None:
     assert context_buckets(5) == [5]
 
 
-def runner_with_graphs(name: str = "llama", num_blocks: int = 96, **graph_options: Any
-                       ) -> tuple[PagedModelRunner, BlockPool, torch.nn.Module]:
+def runner_with_graphs(name: str = "llama", num_blocks: int = 96, runner_options: dict[str, Any] | None = None,
+                       **graph_options: Any) -> tuple[PagedModelRunner, BlockPool, torch.nn.Module]:
     model = build(name)
     ref = copy.deepcopy(model)
     cache = KVCache.for_model(model.config, num_blocks=num_blocks + 1, block_size=BLOCK, dtype=torch.float32)
-    runner = PagedModelRunner(model, cache)
+    runner = PagedModelRunner(model, cache, **(runner_options or {}))
     assert runner.fused is not None
     runner.graphs = DecodeGraphs(runner.fused, cache, batch_sizes=[1, 2, 4, 8], max_model_len=512,
                                  scratch_block=num_blocks, capture=False, attention=runner.attention, vocab_size=256,

@@ -2,8 +2,8 @@
 
 The interpreter executes the kernel's own code (its loads, masks, running softmax and split merge) with numpy,
 so what is checked here is the kernel's arithmetic and indexing: against a plain softmax over each row's
-gathered keys, and inside the fixed-shape decode steps against transformers. How fast it runs, and that the
-GPU compiler takes it, only a GPU shows (`scripts/gpu_check.py`). Needs `scripts/install.sh --dev-all` (triton).
+gathered keys (inside the fixed-shape decode steps against transformers: test_triton_varlen.py). How fast it
+runs, only a GPU shows (`scripts/gpu_check.py`). Needs `scripts/install.sh --dev-all` (triton).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 
-from tests.runtime.test_decode_graphs import decodes_equal_transformers, runner_with_graphs
 from tokenflow.config import EngineConfig
 from tokenflow.runtime.attention.triton_decode import decode_splits, paged_decode_attention, triton_available
 from tokenflow.runtime.backends import paged as paged_backend
@@ -86,23 +85,17 @@ def test_splits_fill_the_device_and_keep_blocks_per_program() -> None:
     assert decode_splits(rows=1, kv_heads=3, blocks=3, programs=264) == 1
 
 
-def test_fixed_shape_decodes_through_the_kernel_equal_transformers() -> None:
-    """The fixed-shape decode steps (as CUDA graphs replay them, run eagerly) with the kernel in place of the
-    gathered SDPA. 16 programs: the 8-row buckets run one split (normalised in place), the 4-row ones two
-    (merged by the second kernel)."""
-    runner, pool, ref = runner_with_graphs(kernel="triton", programs=16)
-    decodes_equal_transformers(runner, pool, ref)
-
-
 def test_the_triton_settings_apply_on_cuda_with_triton_and_say_when_they_cannot(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     assert triton_available()
-    backend = paged_backend.PagedBackend(EngineConfig(cuda_graph_attention="triton", cuda_triton_ops=True))
-    assert backend._graph_attention() == "triton"
-    assert backend._triton_ops(torch.device("cuda")) and not backend._triton_ops(torch.device("cpu"))
-    assert not paged_backend.PagedBackend(EngineConfig())._triton_ops(torch.device("cuda"))  # off by default
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    backend = paged_backend.PagedBackend(EngineConfig(cuda_attention="triton", cuda_triton_ops=True))
+    assert backend._triton_attention(cuda) and backend._triton_ops(cuda)
+    assert not backend._triton_attention(cpu) and not backend._triton_ops(cpu)
+    default = paged_backend.PagedBackend(EngineConfig())
+    assert not default._triton_attention(cuda) and not default._triton_ops(cuda)  # off by default
     monkeypatch.setattr(paged_backend, "triton_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="tokenflow"):
-        assert backend._graph_attention() == "gathered"
-        assert not backend._triton_ops(torch.device("cuda"))
+        assert not backend._triton_attention(cuda)
+        assert not backend._triton_ops(cuda)
     assert caplog.text.count("triton package is not installed") == 2

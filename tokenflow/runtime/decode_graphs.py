@@ -9,7 +9,7 @@ A graph replays fixed shapes on fixed buffers, so each step is padded to a bucke
   write their K/V into a scratch block that no sequence owns and are never sampled;
 - context: a power-of-two count of blocks (at least `MIN_CONTEXT_BLOCKS`); each row gathers that
   many blocks from its row of a padded block table, and a mask hides keys past its own length
-  (`attention.static_decode`); or, with `cuda_graph_attention="triton"`, a Triton kernel reads each row's
+  (`attention.static_decode`); or, with `cuda_attention="triton"`, a Triton kernel reads each row's
   blocks in place to its own length (`attention.triton_decode`), split over as many programs as fill the GPU.
 A step's inputs (token, position, slot, length and block table of each row) are packed on the host
 into one pinned buffer and copied to the device in one transfer; the graph reads them from there.

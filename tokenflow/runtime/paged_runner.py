@@ -40,6 +40,7 @@ from tokenflow.runtime.attention.paged import (
 from tokenflow.runtime.attention.sliding import SlidingSegment, build_segment
 from tokenflow.runtime.attention.snapkv import select_positions
 from tokenflow.runtime.attention.topk import RECENT_BLOCKS, TopkDecode
+from tokenflow.runtime.attention.triton_varlen import varlen_step
 from tokenflow.runtime.cpu.native_kernels import load_native_kernels
 from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.fused_layers import fused_decoder_for, runs_own_copies
@@ -226,6 +227,7 @@ class PagedModelRunner:
         pack_weights: bool = True,
         release_weights: bool = False,
         triton_ops: bool = False,
+        triton_attention: bool = False,
     ) -> None:
         check_model_supported(model, max_model_len)
         _check_cache_matches(model, kv_cache)
@@ -251,6 +253,8 @@ class PagedModelRunner:
             torch.float32 if kv_cache.quantized else kv_cache.dtype) in self.native.prefill_dtypes
         # the fused layers' norms, RoPE, SiLU product and K/V writes as Triton kernels (`cuda_triton_ops`)
         self.pointwise = TritonPointwise(kv_cache.head_dim) if triton_ops and self.native is None else None
+        # every row of a step through one Triton kernel per layer over a float cache (`cuda_attention="triton"`)
+        self.triton_attention = triton_attention
         self._attention: dict[bool, LayerAttention] = {}  # by cache kind (int8 or not): see `attention_for`
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window
@@ -400,6 +404,10 @@ class PagedModelRunner:
             attention=self.attention_for(kv_cache),
             native=self.native,
         )
+        if self.triton_attention and not (kv_cache.quantized or sliding or sparse):
+            meta.varlen = varlen_step([(len(chunks[i].token_ids), chunks[i].start_pos + len(chunks[i].token_ids),
+                                        chunks[i].block_table) for i in [*decodes, *prefills]],
+                                      self.block_size, self.device)
         by_adapter: dict[int, tuple[LoraAdapter, list[int]]] = {}
         for i, c in enumerate(chunks):
             if c.adapter is not None:

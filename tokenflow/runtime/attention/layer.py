@@ -7,7 +7,8 @@ group of decode rows attends (`NativeDecode` / `NativeInt8Decode` read the block
 (`NativePrefill` / `NativeInt8Prefill` over the cache; `GatheredPrefill` over its gathered blocks or its
 own keys). `LayerAttention.__call__` is what the HF attention function and the fused layers call for each
 layer: write, then the step's pieces in packed order (decode groups, prefill segments, sliding-window and
-top-k chunks), or the fixed-shape decode of a CUDA-graph step.
+top-k chunks), or the fixed-shape decode of a CUDA-graph step, or (`cuda_attention="triton"`) every row in one
+Triton kernel (`attention.triton_varlen`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tokenflow.runtime.attention.sliding import sliding_attention
 from tokenflow.runtime.attention.snapkv import key_scores
 from tokenflow.runtime.attention.static_decode import static_decode_attention
 from tokenflow.runtime.attention.topk import topk_attention, update_key_bounds
+from tokenflow.runtime.attention.triton_varlen import varlen_attention
 from tokenflow.runtime.cpu.native_kernels import NativeKernels
 from tokenflow.runtime.gpu.triton_pointwise import TritonPointwise
 
@@ -195,6 +197,8 @@ class LayerAttention:
             return self._windowed(layer, q_rows, k_new, v_new, meta, scale, window, softcap)
         if meta.static_decode is not None:
             return static_decode_attention(q_rows, cache, layer, meta.static_decode, scale)
+        if meta.varlen is not None and meta.key_scores is None:
+            return varlen_attention(q_rows, cache.k[layer], cache.v[layer], meta.varlen, scale)
         num_heads, head_dim = q_rows.shape[1], q_rows.shape[2]
         num_kv_heads = k_new.shape[1]
         pieces: list[torch.Tensor] = []  # each [rows, H, D], in packed order

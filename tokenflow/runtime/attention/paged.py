@@ -40,6 +40,7 @@ from tokenflow.runtime.attention.layer import masked_gqa_attention
 from tokenflow.runtime.attention.sliding import SlidingSegment
 from tokenflow.runtime.attention.static_decode import StaticDecode
 from tokenflow.runtime.attention.topk import TopkDecode
+from tokenflow.runtime.attention.triton_varlen import VarlenStep
 from tokenflow.runtime.cpu.native_kernels import NativeKernels
 
 if TYPE_CHECKING:
@@ -128,6 +129,7 @@ class PagedAttentionMetadata:
     # kv_compression's scoring step: when a list, each layer appends the attention its (single) prefill segment's
     # queries give every key, `[kv_heads, kv_len]` (`runtime.attention.snapkv.key_scores`)
     key_scores: list[torch.Tensor] | None = None
+    varlen: VarlenStep | None = None  # cuda_attention="triton": every row in one kernel per layer (not with the above)
 
 
 def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager[None]:

@@ -4,7 +4,7 @@ A graph replays the same kernels on the same buffers, so nothing about a step ma
 or the Python path: every row of a batch bucket gathers the same number of blocks (the context
 bucket) from its row of a padded block table, and a mask built once per step from each row's length
 hides the keys past it. GQA as in the dynamic path: the G query heads of a KV head are G query rows.
-With `kernel="triton"` (`cuda_graph_attention`), a Triton kernel reads each row's blocks in place to its own
+With `kernel="triton"` (`cuda_attention="triton"`), a Triton kernel reads each row's blocks in place to its own
 length instead (`attention.triton_decode`): no gather, no mask.
 """
 

@@ -10,7 +10,7 @@ the scheduler and the tiers find as `EngineContext.pool`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -181,7 +181,7 @@ class PagedBackend:
             fused_layers=config.fused_layers and not config.compile and not config.lora_enabled,
             pack_weights=config.pack_cpu_weights and config.quantization is None,
             release_weights=True,  # where the fused layers run packed copies, the HF layers' weights go
-            triton_ops=self._triton_ops(kv_cache.device),
+            triton_ops=self._triton_ops(kv_cache.device), triton_attention=self._triton_attention(kv_cache.device),
         )
         self._prepare_layers(ctx, model)
         if config.lora_enabled:
@@ -249,7 +249,7 @@ class PagedBackend:
             self.runner.fused, kv_cache, batch_sizes=decode_buckets(self.config.max_num_seqs),
             max_model_len=ctx.max_model_len, scratch_block=self.scratch_block, capture=capture,
             attention=self.runner.attention, vocab_size=ctx.vocab_size, eos_token_ids=sorted(ctx.eos_token_ids),
-            kernel=self._graph_attention(),
+            kernel="triton" if self.runner.triton_attention else "gathered",
         )
         if not capture:
             return
@@ -271,13 +271,16 @@ class PagedBackend:
             return False
         return True
 
-    def _graph_attention(self) -> Literal["gathered", "triton"]:
-        """`cuda_graph_attention`, or `gathered` (said once in the log) where the triton package is missing."""
-        if self.config.cuda_graph_attention == "triton" and not triton_available():
-            log.warning("cuda_graph_attention='triton' but the triton package is not installed: decode steps "
-                        "attend over gathered blocks")
-            return "gathered"
-        return self.config.cuda_graph_attention
+    def _triton_attention(self, device: torch.device) -> bool:
+        """`cuda_attention="triton"` on a CUDA device where the triton package is installed (said once in the log
+        where it is missing)."""
+        if self.config.cuda_attention != "triton" or device.type != "cuda":
+            return False
+        if not triton_available():
+            log.warning("cuda_attention='triton' but the triton package is not installed: SDPA over gathered blocks "
+                        "serves")
+            return False
+        return True
 
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
         """Model thread: the final hidden states of `token_ids` (`Engine.embed`), a step's token budget at a

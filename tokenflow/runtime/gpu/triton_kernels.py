@@ -162,3 +162,58 @@ def paged_decode_merge(
     out = tl.sum(acc * weights[:, None], axis=0) / total
     tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
+
+
+@triton.jit
+def paged_varlen_attention(
+    q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, seq_lens_ptr, query_start_ptr,
+    scale, table_stride, block_stride, slot_stride, head_stride,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (sequence, tile of its queries, KV head) of a packed step: the tile's queries (times the G query heads
+    of the KV head, as rows) against the sequence's keys up to each query's position, read through its block
+    table. A decode row is a sequence of one query."""
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_begin = tl.load(query_start_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_ptr + seq + 1).to(tl.int32) - q_begin
+    if q_tile * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+        context = seq_len - q_len  # keys cached before this step's queries
+        r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        tok = q_tile * BLOCK_Q + r // GROUP_PAD
+        g = r % GROUP_PAD
+        rows = (tok < q_len) & (g < GROUP)
+        d = tl.arange(0, DIM_PAD)
+        dims = d < HEAD_DIM
+        heads = kv_head * GROUP + g
+        at_q = (q_begin + tok)[:, None] * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :]
+        q = tl.load(q_ptr + at_q, mask=rows[:, None] & dims[None, :], other=0.0).to(tl.float32)
+        pos = context + tok  # each row's query position: it sees keys 0..pos
+        last_key = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)
+        running_max = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        for start in range(0, last_key, BLOCK_N):
+            keys = start + n
+            present = keys < last_key
+            blocks = tl.load(table_ptr + seq * table_stride + keys // BLOCK_SIZE, mask=present, other=0).to(tl.int64)
+            at = (blocks[:, None] * block_stride + (keys % BLOCK_SIZE)[:, None] * slot_stride + kv_head * head_stride
+                  + d[None, :])
+            k = tl.load(k_ptr + at, mask=present[:, None] & dims[None, :], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + at, mask=present[:, None] & dims[None, :], other=0.0).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, BLOCK_N]
+            scores = tl.where((keys[None, :] <= pos[:, None]) & present[None, :], scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet (padding)
+            probs = tl.exp(scores - shift[:, None])
+            rescale = tl.exp(running_max - shift)
+            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+            acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision=PRECISION)
+            running_max = new_max
+        out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
+        tl.store(out_ptr + at_q, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & dims[None, :])

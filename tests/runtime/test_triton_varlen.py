@@ -1,0 +1,106 @@
+"""The one-kernel-per-layer attention of packed steps (`attention.triton_varlen`, `cuda_attention="triton"`), run on
+the CPU by Triton's interpreter: against a plain causal softmax per sequence, then in the runner's mixed steps
+and beside the fixed-shape decode kernel against transformers. Compiled for a GPU: test_triton_compile.py.
+Needs `scripts/install.sh --dev-all` (triton); conftest.py chooses the interpreter where no GPU is.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.runtime.test_decode_graphs import decodes_equal_transformers, runner_with_graphs
+from tests.runtime.test_paged_runner import build, make_runner, mixed_batch_matches_forward
+from tokenflow.runtime.attention import layer as attention_layer
+from tokenflow.runtime.attention.triton_varlen import varlen_attention, varlen_step
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: list[tuple[int, int, list[int]]],
+               scale: float) -> torch.Tensor:
+    """fp32 causal softmax attention of each sequence's rows over its own keys, gathered by its table."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k.shape
+    out = torch.zeros(q.shape)
+    row = 0
+    for count, keys, table in sequences:
+        used = -(-keys // block_size)
+        k_seq = k[table[:used]].reshape(-1, kv_heads, head_dim)[:keys].float()
+        v_seq = v[table[:used]].reshape(-1, kv_heads, head_dim)[:keys].float()
+        for t in range(count):
+            seen = keys - count + t + 1
+            queries = q[row + t].float().view(kv_heads, num_heads // kv_heads, head_dim)
+            probs = (torch.einsum("hgd,nhd->hgn", queries, k_seq[:seen]) * scale).softmax(-1)
+            out[row + t] = torch.einsum("hgn,nhd->hgd", probs, v_seq[:seen]).reshape(num_heads, head_dim)
+        row += count
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "dtype"), [
+    (9, 3, 64, 16, torch.float32),  # SmolLM2's grouping
+    (8, 2, 80, 12, torch.float32),  # a head width and a block size that are no powers of two
+    (4, 4, 32, 16, torch.bfloat16),  # no grouping; bf16 as the GPU runs it
+])
+def test_every_row_equals_causal_softmax_over_its_sequence(heads: int, kv_heads: int, head_dim: int,
+                                                           block_size: int, dtype: torch.dtype) -> None:
+    """Decodes with 1, 17 and 40 keys, a prompt chunk from position 0, one after 40 cached keys, a short one;
+    every slot no row may read is NaN (past each sequence's length, and every block it does not own)."""
+    g = torch.Generator().manual_seed(0)
+    num_blocks = 64
+    k = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan")).to(dtype)
+    v = k.clone()
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    sequences, taken = [], 0
+    for count, keys in [(1, 40), (1, 1), (1, 17), (37, 37), (20, 60), (5, 5)]:
+        used = -(-keys // block_size)
+        table = order[taken : taken + used]
+        taken += used
+        for values in (k, v):
+            slots = values[table].reshape(-1, kv_heads, head_dim)
+            slots[:keys] = torch.randn(keys, kv_heads, head_dim, generator=g).to(dtype)
+            values[table] = slots.view(used, block_size, kv_heads, head_dim)
+        sequences.append((count, keys, table))
+    q = torch.randn(sum(c for c, _, _ in sequences), heads, head_dim, generator=g).to(dtype)
+    out = varlen_attention(q, k, v, varlen_step(sequences, block_size, torch.device("cpu")), 0.125)
+    expected = _reference(q, k, v, sequences, 0.125)
+    assert out.dtype == dtype and expected.isfinite().all()
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def _counting_varlen(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return varlen_attention(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention_layer, "varlen_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_mixed_steps_through_the_kernel_equal_transformers(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's mixed steps (a prompt in chunks beside decoding sequences) with every layer's attention in the
+    kernel, and the pointwise Triton kernels too, as `cuda_attention="triton"`, `cuda_triton_ops=True` run them:
+    every sampled row equals transformers' forward (fp32). The load's self-check ran the kernel as well."""
+    calls = _counting_varlen(monkeypatch)
+    model = build(name)
+    ref = copy.deepcopy(model)
+    runner, pool = make_runner(model, native_kernels=False, triton_ops=True, triton_attention=True)
+    assert calls  # the self-check at load
+    calls.clear()
+    mixed_batch_matches_forward(name, ref, runner, pool)
+    assert len(calls) >= 2 * 6 and len(calls) % 2 == 0  # both layers of each of the 6+ steps
+
+
+def test_prompts_through_the_kernel_and_decodes_through_the_graph_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both Triton attentions in one run: prompts through the varlen kernel (dynamic steps), decode steps at fixed
+    shapes through the split decode kernel, as a CUDA-graph engine with `cuda_attention="triton"` runs them."""
+    calls = _counting_varlen(monkeypatch)
+    runner, pool, ref = runner_with_graphs(runner_options=dict(native_kernels=False, triton_attention=True),
+                                           kernel="triton", programs=16)
+    calls.clear()
+    decodes_equal_transformers(runner, pool, ref)
+    assert calls  # the prompts
