@@ -9,8 +9,8 @@ shows everything that works and everything that does not:
    tokens identical to transformers' `generate` on the same device (decode steps replayed from graphs);
 3. oracle (real): the embedded model through tokenflow against transformers' eager forward in the same
    dtype (bf16, then fp32, then fp32 with the Triton kernels: `cuda_attention="triton"`,
-   `cuda_triton_ops=True`), judged by vLLM's logprob rule: where the greedy tokens first differ, each
-   must be in the other's top 5, and nothing after it is compared;
+   `cuda_triton_ops=True`, `cuda_graph_prefill_steps=True`), judged by vLLM's logprob rule: where the
+   greedy tokens first differ, each must be in the other's top 5, and nothing after it is compared;
 4. out of memory: the process may use only part of a largest step's measured peak beyond what the
    engine holds after start (`torch.cuda.set_per_process_memory_fraction`); 16 long prompts arrive at
    once; every caller must get its completion (or an EngineError of its own) and no block may leak;
@@ -247,8 +247,10 @@ def _report_pass(name: str, result: dict[str, Any], concurrency: int) -> None:
 SPEED_VARIANTS: dict[str, dict[str, Any]] = {
     "graphs": {}, "graphs-async": {"async_scheduling": True}, "eager": {"cuda_graphs": False},
     "graphs-512": {"max_batch_tokens": 512},
-    "graphs-triton": {"cuda_attention": "triton", "cuda_triton_ops": True},  # both Triton settings
+    # every Triton setting: attention, pointwise kernels, graphs of the steps with prefill chunks
+    "graphs-triton": {"cuda_attention": "triton", "cuda_triton_ops": True, "cuda_graph_prefill_steps": True},
     "graphs-triton-attention": {"cuda_attention": "triton"}, "graphs-triton-ops": {"cuda_triton_ops": True},
+    "graphs-triton-no-prefill-graphs": {"cuda_attention": "triton", "cuda_triton_ops": True},
 }
 
 

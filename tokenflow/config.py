@@ -294,6 +294,11 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
         "the triton package (`sdpa` serves where it is missing). Tested on the CPU under Triton's interpreter and "
         "compiled for sm_80 and sm_90 there; not yet run on a GPU (`scripts/gpu_check.py` times both), so "
         "`sdpa` stays the default")] = "sdpa"
+    cuda_graph_prefill_steps: Annotated[bool, _help(
+        "with `cuda_graphs` and `cuda_attention=\"triton\"`: steps that hold prefill chunks replay CUDA graphs too, "
+        "one per bucket of their token count (16, 32, … `max_batch_tokens`), their attention in the varlen Triton "
+        "kernel: a step that holds part of a prompt is otherwise launched kernel by kernel from Python. Tested on "
+        "the CPU at fixed shapes against transformers; not yet run on a GPU, so off by default")] = False
     cuda_triton_ops: Annotated[bool, _help(
         "on CUDA, the fused layers' RMSNorms, Q/K head norms, RoPE, SiLU product and K/V writes as one Triton "
         "kernel each instead of chains of torch ops (~13 kernels a layer instead of ~29: a small model's decode "

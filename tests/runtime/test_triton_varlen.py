@@ -1,7 +1,8 @@
 """The one-kernel-per-layer attention of packed steps (`attention.triton_varlen`, `cuda_attention="triton"`), run on
-the CPU by Triton's interpreter: against a plain causal softmax per sequence, then in the runner's mixed steps
-and beside the fixed-shape decode kernel against transformers. Compiled for a GPU: test_triton_compile.py.
-Needs `scripts/install.sh --dev-all` (triton); conftest.py chooses the interpreter where no GPU is.
+the CPU by Triton's interpreter: against a plain causal softmax per sequence, then in the runner's mixed steps,
+beside the fixed-shape decode kernel and in fixed-shape prefill steps (`step_graphs.py`) against transformers.
+Compiled for a GPU: test_triton_compile.py. Needs `scripts/install.sh --dev-all` (triton); conftest.py chooses
+the interpreter where no GPU is.
 """
 
 from __future__ import annotations
@@ -10,11 +11,16 @@ import copy
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from tests.runtime.test_decode_graphs import decodes_equal_transformers, runner_with_graphs
-from tests.runtime.test_paged_runner import build, make_runner, mixed_batch_matches_forward
+from tests.runtime.test_paged_runner import BLOCK, build, make_runner, mixed_batch_matches_forward, reference_logits
+from tokenflow.kv.block_pool import BlockPool
+from tokenflow.kv.kv_cache import KVCache
 from tokenflow.runtime.attention import layer as attention_layer
 from tokenflow.runtime.attention.triton_varlen import varlen_attention, varlen_step
+from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
+from tokenflow.runtime.step_graphs import StepGraphs
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: list[tuple[int, int, list[int]]],
@@ -104,3 +110,41 @@ def test_prompts_through_the_kernel_and_decodes_through_the_graph_kernel(monkeyp
     calls.clear()
     decodes_equal_transformers(runner, pool, ref)
     assert calls  # the prompts
+
+
+def _runner_with_step_graphs(name: str, max_tokens: int) -> tuple[PagedModelRunner, BlockPool, PreTrainedModel]:
+    model = build(name)
+    ref = copy.deepcopy(model)
+    num_blocks = 96
+    cache = KVCache.for_model(model.config, num_blocks=num_blocks + 1, block_size=BLOCK, dtype=torch.float32)
+    runner = PagedModelRunner(model, cache, native_kernels=False, triton_attention=True, triton_ops=True)
+    assert runner.fused is not None
+    runner.step_graphs = StepGraphs(runner.fused, cache, runner.attention, max_seqs=4, max_tokens=max_tokens,
+                                    max_model_len=512, scratch_block=num_blocks, capture=False)
+    return runner, BlockPool(num_blocks, BLOCK), ref
+
+
+def test_prefill_steps_at_fixed_shapes_equal_transformers() -> None:
+    """The runner's mixed steps (a 37-token prompt in chunks of 10 beside sequences decoding) padded to token
+    buckets of 16 and 32 and run at fixed shapes, as `cuda_graph_prefill_steps` replays them: every sampled row
+    equals transformers' forward, so no padding token wrote where a sequence reads."""
+    runner, pool, ref = _runner_with_step_graphs("llama", max_tokens=32)
+    step_graphs = runner.step_graphs
+    assert step_graphs is not None and step_graphs.buckets == [16, 32]
+    mixed_batch_matches_forward("llama", ref, runner, pool)
+    assert step_graphs.num_steps >= 6  # every step of it
+
+
+def test_steps_past_the_buffers_take_the_dynamic_path() -> None:
+    runner, pool, ref = _runner_with_step_graphs("llama", max_tokens=32)
+    graphs = runner.step_graphs
+    assert graphs is not None
+    prompt = list(range(3, 43))
+    logits = runner.execute([SeqChunk(prompt, 0, pool.allocate(10), True)])  # 40 tokens: the dynamic path
+    torch.testing.assert_close(logits[0], reference_logits(ref, prompt)[-1], atol=1e-4, rtol=1e-4)
+    assert graphs.num_steps == 0
+    assert graphs.fits([SeqChunk(list(range(20)), 0, list(range(5)), True), SeqChunk([1], 7, [9, 10], True)])
+    assert not graphs.fits([SeqChunk(list(range(33)), 0, list(range(9)), True)])  # past the largest bucket
+    assert not graphs.fits([SeqChunk([1], i, [i // BLOCK], True) for i in range(5)])  # more sequences than 4
+    assert not graphs.fits([SeqChunk(list(range(8)), 0, [0, 1], True, num_logits=8)])  # scores prompt tokens
+    assert not graphs.fits([SeqChunk([1], 512, list(range(129)), True)])  # past max_model_len

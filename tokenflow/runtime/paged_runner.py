@@ -48,6 +48,7 @@ from tokenflow.runtime.gpu.triton_pointwise import TritonPointwise
 from tokenflow.runtime.layer_families import model_window
 from tokenflow.runtime.lora import LoraAdapter, step_rows
 from tokenflow.runtime.sampler import GreedyTokens, SamplingRow
+from tokenflow.runtime.step_graphs import StepGraphs
 
 __all__ = ("PagedModelRunner", "SeqChunk", "all_layers_windowed", "check_model_supported", "own_window")
 
@@ -296,6 +297,7 @@ class PagedModelRunner:
                                        pointwise=self.pointwise, max_context=context,
                                        release_layers=release) if fused_layers else None
         self.graphs: DecodeGraphs | None = None  # decode-only steps at fixed shapes (set by the backend)
+        self.step_graphs: StepGraphs | None = None  # other steps at fixed shapes (`cuda_graph_prefill_steps`)
         self._switch_to_paged_attention(self_check, references)
 
     def _switch_to_paged_attention(self, self_check: bool,
@@ -341,6 +343,8 @@ class PagedModelRunner:
         decode draws its tokens on the device."""
         if self.graphs is not None and self.graphs.fits(chunks):
             return self.graphs.run(chunks, sampling)
+        if self.step_graphs is not None and self.step_graphs.fits(chunks):
+            return self.step_graphs.run(chunks)
         step = self.prepare(chunks, self.kv_cache)
         out = self._forward(step, greedy)
         return out if isinstance(out, GreedyTokens) else out.cpu()

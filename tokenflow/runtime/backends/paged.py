@@ -37,6 +37,7 @@ from tokenflow.runtime.paged_runner import (
 )
 from tokenflow.runtime.quantize import quantize_runner
 from tokenflow.runtime.sampler import GreedyTokens, argmax_only
+from tokenflow.runtime.step_graphs import StepGraphs
 
 __all__ = ("PagedBackend", "create", "kv_pool_blocks", "profile_step_peak")
 
@@ -251,13 +252,20 @@ class PagedBackend:
             attention=self.runner.attention, vocab_size=ctx.vocab_size, eos_token_ids=sorted(ctx.eos_token_ids),
             kernel="triton" if self.runner.triton_attention else "gathered",
         )
+        if self.config.cuda_graph_prefill_steps and self.runner.triton_attention:
+            self.runner.step_graphs = StepGraphs(
+                self.runner.fused, kv_cache, self.runner.attention, max_seqs=self.config.max_num_seqs,
+                max_tokens=self.config.max_batch_tokens or DEFAULT_BATCH_TOKENS["cuda"],
+                max_model_len=ctx.max_model_len, scratch_block=self.scratch_block, capture=capture)
         if not capture:
             return
         try:
             self.runner.graphs.capture_all()
+            if self.runner.step_graphs is not None:
+                self.runner.step_graphs.capture_all()
         except Exception as exc:  # e.g. a runtime without graph capture: the dynamic path serves
-            log.exception("CUDA graph capture failed; decode steps run without graphs")
-            self.runner.graphs = None
+            log.exception("CUDA graph capture failed; steps run without graphs")
+            self.runner.graphs = self.runner.step_graphs = None
             self.graph_error = repr(exc)
             torch.cuda.empty_cache()
 
@@ -294,14 +302,15 @@ class PagedBackend:
         the scratch block of padding rows moves to the new end."""
         assert self.runner is not None
         kv = self.runner.kv_cache
-        if self.runner.graphs is not None:
-            self.runner.graphs.release()  # they point at the tensors being replaced
+        graphs = [g for g in (self.runner.graphs, self.runner.step_graphs) if g is not None]
+        for g in graphs:
+            g.release()  # they point at the tensors being replaced
         extra = 1 if self.scratch_block >= 0 else 0
         kv.truncate(num_blocks + extra)
         if self.scratch_block >= 0:
             self.scratch_block = num_blocks
-            if self.runner.graphs is not None:
-                self.runner.graphs.scratch_block = num_blocks
+            for g in graphs:
+                g.scratch_block = num_blocks
         self.kv_bytes = kv.nbytes
 
     def compress_kv(self, window: SeqChunk, table: list[int], keep: int, sinks: int) -> None:
@@ -354,6 +363,8 @@ class PagedBackend:
             stats["step_peak_bytes"] = self.step_peak_bytes
         if self.runner is not None and self.runner.graphs is not None:
             stats.update(self.runner.graphs.stats())
+        if self.runner is not None and self.runner.step_graphs is not None:
+            stats.update(self.runner.step_graphs.stats())
         if self.graph_error:
             stats["cuda_graph_error"] = self.graph_error
         return stats
