@@ -25,14 +25,15 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_is_transformers_norm(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("width", [576, 4096])  # four rows a program, and one
+def test_rms_norm_is_transformers_norm(dtype: torch.dtype, width: int) -> None:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(7, 576, generator=g).to(dtype)  # 7 rows: the last program's rows partly past the end
-    weight = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    x = torch.randn(7, width, generator=g).to(dtype)  # 7 rows: the last program's rows partly past the end
+    weight = (torch.rand(width, generator=g) + 0.5).to(dtype)
     if dtype == torch.float32:
-        want = F.rms_norm(x, (576,), weight, 1e-5)
+        want = F.rms_norm(x, (width,), weight, 1e-5)
     else:  # transformers: the fp32 norm rounded to bf16, then times the weight
-        want = weight * F.rms_norm(x.float(), (576,), None, 1e-5).to(dtype)
+        want = weight * F.rms_norm(x.float(), (width,), None, 1e-5).to(dtype)
     torch.testing.assert_close(TritonPointwise(HEAD_DIM).rms_norm(x, weight, 1e-5), want, **_tolerance(dtype))
 
 

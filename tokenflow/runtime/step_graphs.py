@@ -62,7 +62,7 @@ class StepGraphs:
         self.max_seqs = max_seqs
         self.buckets = token_buckets(max(max_tokens, MIN_TOKENS))
         self.max_blocks = -(-max_model_len // self.block_size)
-        self.max_context = self.max_blocks * self.block_size
+        self.max_context = max_model_len
         self.scratch_block = scratch_block
         self.capture = capture
         device = kv_cache.device

@@ -25,7 +25,8 @@ import torch
 __all__ = ("TritonPointwise",)
 
 _FLOATS = (torch.bfloat16, torch.float32)
-_ROWS = 4  # rows per program: fewer launches' worth of programs for a prefill chunk, none wasted on a decode row
+_ROWS = 4  # rows per program: fewer programs for a prefill chunk, none wasted on a decode row
+_VALUES = 4096  # at most this many values per program (rows x padded width), so a tile stays in registers
 
 
 def _power_of_two(n: int) -> int:
@@ -43,6 +44,11 @@ def _grid(rows: int) -> tuple[int]:
     return (-(-rows // _ROWS),)
 
 
+def _rows_per_program(width_pad: int) -> int:
+    """Rows of a norm's program: four of a 576-wide model's, one of a 4,096-wide one's."""
+    return max(1, min(_ROWS, _VALUES // width_pad))
+
+
 class TritonPointwise:
     """RMSNorm, Q/K head norms, RoPE, the SiLU product and the K/V write as one Triton kernel each, for bf16 and
     fp32 rows (the K/V write: any dtype); `NativeKernels`' contracts for the same calls."""
@@ -58,8 +64,11 @@ class TritonPointwise:
             raise ValueError("rms_norm needs contiguous bf16 or fp32 input and a weight [width] of its dtype")
         out = torch.empty_like(x)
         rows = x.numel() // width
-        self.kernels.rms_norm[_grid(rows)](x, weight, out, rows, width, width, eps, width, ROWS=_ROWS,
-                                           WIDTH_PAD=_power_of_two(width), HEADS=1, ROUND=x.dtype != torch.float32)
+        width_pad = _power_of_two(width)
+        per = _rows_per_program(width_pad)
+        self.kernels.rms_norm[(-(-rows // per),)](x, weight, out, rows, width, width, eps, width, ROWS=per,
+                                                  WIDTH_PAD=width_pad, HEADS=1, ROUND=x.dtype != torch.float32,
+                                                  num_warps=4 if width_pad <= 1024 else 8)
         return out
 
     def head_rms_norm_(self, rows: torch.Tensor, heads: int, weight: torch.Tensor, eps: float) -> None:
