@@ -163,6 +163,8 @@ class StepGraphs:
         """Drop the graphs and their memory (before the KV cache's tensors change)."""
         self._graphs.clear()
         self._pool = None
+        if self.kv_cache.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def capture_all(self) -> None:
         """Capture every token bucket's graph, largest first, into one memory pool."""
