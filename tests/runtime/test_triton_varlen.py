@@ -112,7 +112,8 @@ def test_prompts_through_the_kernel_and_decodes_through_the_graph_kernel(monkeyp
     assert calls  # the prompts
 
 
-def _runner_with_step_graphs(name: str, max_tokens: int) -> tuple[PagedModelRunner, BlockPool, PreTrainedModel]:
+def _runner_with_step_graphs(name: str, max_tokens: int, max_model_len: int = 512
+                             ) -> tuple[PagedModelRunner, BlockPool, PreTrainedModel]:
     model = build(name)
     ref = copy.deepcopy(model)
     num_blocks = 96
@@ -120,7 +121,7 @@ def _runner_with_step_graphs(name: str, max_tokens: int) -> tuple[PagedModelRunn
     runner = PagedModelRunner(model, cache, native_kernels=False, triton_attention=True, triton_ops=True)
     assert runner.fused is not None
     runner.step_graphs = StepGraphs(runner.fused, cache, runner.attention, max_seqs=4, max_tokens=max_tokens,
-                                    max_model_len=512, scratch_block=num_blocks, capture=False)
+                                    max_model_len=max_model_len, scratch_block=num_blocks, capture=False)
     return runner, BlockPool(num_blocks, BLOCK), ref
 
 
@@ -148,3 +149,25 @@ def test_steps_past_the_buffers_take_the_dynamic_path() -> None:
     assert not graphs.fits([SeqChunk([1], i, [i // BLOCK], True) for i in range(5)])  # more sequences than 4
     assert not graphs.fits([SeqChunk(list(range(8)), 0, [0, 1], True, num_logits=8)])  # scores prompt tokens
     assert not graphs.fits([SeqChunk([1], 512, list(range(129)), True)])  # past max_model_len
+
+
+def test_padding_longer_than_the_longest_context_stays_in_the_scratch_block() -> None:
+    """`max_batch_tokens` past `max_model_len`: a step of 17 tokens pads to 32, so the padding sequence has more
+    keys (15) than a real one may (8); its table row holds them all, and the three sequences' logits are
+    transformers' (the capture's warm-up, all padding, too leaves their blocks alone)."""
+    runner, pool, ref = _runner_with_step_graphs("llama", max_tokens=32, max_model_len=8)
+    graphs = runner.step_graphs
+    assert graphs is not None
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (8, 8, 1)]
+    chunks = [SeqChunk(p, 0, pool.allocate(-(-len(p) // BLOCK)), True) for p in prompts]
+    kv_before = [t.clone() for t in runner.kv_cache.k]
+    with torch.inference_mode():
+        graphs._stage([], 32)
+        graphs._forward(32)  # what a capture's warm-up runs
+    real = [b for c in chunks for b in c.block_table]
+    assert all(torch.equal(a[real], b[real]) for a, b in zip(kv_before, runner.kv_cache.k))
+    logits = runner.execute(chunks)
+    assert graphs.num_steps == 1
+    for row, prompt in zip(logits, prompts):
+        torch.testing.assert_close(row, reference_logits(ref, prompt)[-1], atol=1e-4, rtol=1e-4)

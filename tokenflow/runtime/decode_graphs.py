@@ -244,6 +244,11 @@ class DecodeGraphs:
         return (tokens, *self.sampler.logprobs(logits, tokens, draw.logprobs))
 
     # -------------------------------------------------------------- capture
+    @property
+    def pool(self) -> tuple[int, int] | None:
+        """The memory pool the graphs were captured into (None before a capture)."""
+        return self._pool
+
     def release(self) -> None:
         """Drop the graphs and their memory (before the KV cache's tensors change); the next step
         captures them again."""

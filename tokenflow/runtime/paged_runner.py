@@ -255,7 +255,7 @@ class PagedModelRunner:
         # the fused layers' norms, RoPE, SiLU product and K/V writes as Triton kernels (`cuda_triton_ops`)
         self.pointwise = TritonPointwise(kv_cache.head_dim) if triton_ops and self.native is None else None
         # every row of a step through one Triton kernel per layer over a float cache (`cuda_attention="triton"`)
-        self.triton_attention = triton_attention
+        self.triton_attention = triton_attention and self.native is None
         self._attention: dict[bool, LayerAttention] = {}  # by cache kind (int8 or not): see `attention_for`
         # attention="sliding": chunks whose context outgrows `window` attend to sinks + window only.
         self.window = window
@@ -386,8 +386,13 @@ class PagedModelRunner:
         step's metadata."""
         decodes, prefills, sliding, sparse = self._classify(chunks)
         rows = _PackedRows(self.block_size, len(chunks))
-        groups = self._pack_decodes(chunks, decodes, rows)
-        segments = [self._prefill_segment(chunks[i], rows.add(i, chunks[i])) for i in prefills]
+        # every row in one Triton kernel: no decode groups or prefill segments to build (nor their tensors)
+        varlen = self.triton_attention and not (kv_cache.quantized or sliding or sparse)
+        groups = self._pack_decodes(chunks, decodes, rows, build_groups=not varlen)
+        segments = [] if varlen else [self._prefill_segment(chunks[i], rows.add(i, chunks[i])) for i in prefills]
+        if varlen:
+            for i in prefills:
+                rows.add(i, chunks[i])
         windowed = [self._sliding_segment(chunks[i], rows.add(i, chunks[i])) for i in sliding]
         topk = [self._topk_decode(chunks[i], rows.add(i, chunks[i])) for i in sparse]
         context = [chunks[i].start_pos + len(chunks[i].token_ids) for i in [*decodes, *prefills, *sparse]]
@@ -408,7 +413,7 @@ class PagedModelRunner:
             attention=self.attention_for(kv_cache),
             native=self.native,
         )
-        if self.triton_attention and not (kv_cache.quantized or sliding or sparse):
+        if varlen:
             meta.varlen = varlen_step([(len(chunks[i].token_ids), chunks[i].start_pos + len(chunks[i].token_ids),
                                         chunks[i].block_table) for i in [*decodes, *prefills]],
                                       self.block_size, self.device)
@@ -455,9 +460,15 @@ class PagedModelRunner:
                 (decodes if n == 1 else prefills).append(i)
         return decodes, prefills, sliding, sparse
 
-    def _pack_decodes(self, chunks: Sequence[SeqChunk], decodes: list[int], rows: _PackedRows) -> list[DecodeGroup]:
-        """One row each, longest context first, cut into groups of similar length."""
+    def _pack_decodes(self, chunks: Sequence[SeqChunk], decodes: list[int], rows: _PackedRows,
+                      build_groups: bool = True) -> list[DecodeGroup]:
+        """One row each, longest context first, cut into groups of similar length (without `build_groups`: the
+        rows only)."""
         decodes.sort(key=lambda i: chunks[i].start_pos, reverse=True)
+        if not build_groups:
+            for i in decodes:
+                rows.add(i, chunks[i])
+            return []
         groups: list[DecodeGroup] = []
         group: list[int] = []
         for i in decodes:

@@ -61,8 +61,9 @@ class StepGraphs:
         self.block_size = kv_cache.block_size
         self.max_seqs = max_seqs
         self.buckets = token_buckets(max(max_tokens, MIN_TOKENS))
-        self.max_blocks = -(-max_model_len // self.block_size)
         self.max_context = max_model_len
+        # a table row holds a sequence's blocks, or the padding sequence's (as many keys as the largest bucket)
+        self.max_blocks = max(-(-max_model_len // self.block_size), -(-self.buckets[-1] // self.block_size))
         self.scratch_block = scratch_block
         self.capture = capture
         device = kv_cache.device
@@ -166,9 +167,11 @@ class StepGraphs:
         if self.kv_cache.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def capture_all(self) -> None:
-        """Capture every token bucket's graph, largest first, into one memory pool."""
+    def capture_all(self, pool: tuple[int, int] | None = None) -> None:
+        """Capture every token bucket's graph, largest first, into one memory pool (`pool`: the decode graphs',
+        which never run at the same time as these)."""
         started = time.perf_counter()
+        self._pool = pool
         for tokens in reversed(self.buckets):
             self._capture_bucket(tokens)
         self.capture_seconds = time.perf_counter() - started

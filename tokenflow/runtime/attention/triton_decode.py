@@ -64,8 +64,6 @@ def paged_decode_attention(
     returns `[rows, H, D]` in the query's dtype."""
     rows, num_heads, head_dim = q_rows.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if block_size & (block_size - 1):
-        raise ValueError(f"the Triton decode kernel needs a power-of-two block size, not {block_size}")
     group = num_heads // kv_heads
     blocks = block_table.shape[1]
     blocks_per_split = -(-blocks // splits)
@@ -83,7 +81,7 @@ def paged_decode_attention(
         q_rows, k_cache, v_cache, block_table, lengths, out, acc, maxes, sums,
         scale, block_table.stride(0), blocks_per_split, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=_power_of_two(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, MERGED=merged,
+        BLOCK_SIZE=block_size, BLOCK_PAD=_power_of_two(block_size), MERGED=merged,
     )
     if not merged:
         merge_kernel[(rows, num_heads)](

@@ -7,7 +7,8 @@ few kernels and a copy of the context per segment per layer. Here it is one laun
 step holds, with the step's shape in three small device tensors (`VarlenStep`): vLLM's unified attention.
 A program takes one (sequence, tile of its queries, KV head); the tile's queries times the KV head's G query
 heads are the rows of its products, so a key block is read once per KV head. Products run on tensor cores in
-TF32 (exact for bf16 inputs), in IEEE fp32 for an fp32 model.
+TF32 (exact for Q.K^T of bf16 inputs; P.V rounds the probabilities to TF32, finer than SDPA's bf16), in IEEE
+fp32 for an fp32 model.
 """
 
 from __future__ import annotations

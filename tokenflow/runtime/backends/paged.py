@@ -261,11 +261,19 @@ class PagedBackend:
             return
         try:
             self.runner.graphs.capture_all()
-            if self.runner.step_graphs is not None:
-                self.runner.step_graphs.capture_all()
         except Exception as exc:  # e.g. a runtime without graph capture: the dynamic path serves
             log.exception("CUDA graph capture failed; steps run without graphs")
             self.runner.graphs = self.runner.step_graphs = None
+            self.graph_error = repr(exc)
+            torch.cuda.empty_cache()
+            return
+        if self.runner.step_graphs is None:
+            return
+        try:
+            self.runner.step_graphs.capture_all(self.runner.graphs.pool)
+        except Exception as exc:  # the decode graphs stay
+            log.exception("CUDA graph capture of the steps with prefill chunks failed; they run without graphs")
+            self.runner.step_graphs = None
             self.graph_error = repr(exc)
             torch.cuda.empty_cache()
 

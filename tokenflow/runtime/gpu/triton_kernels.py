@@ -98,7 +98,7 @@ def paged_decode_split(
     q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, acc_ptr, max_ptr, sum_ptr,
     scale, table_stride, blocks_per_split, block_stride, slot_stride, head_stride,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, MERGED: tl.constexpr,
+    DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr, MERGED: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,7 +107,7 @@ def paged_decode_split(
     length = tl.load(lengths_ptr + row).to(tl.int32)  # the loop's bounds, one integer type
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
-    n = tl.arange(0, BLOCK_SIZE)
+    n = tl.arange(0, BLOCK_PAD)  # a block's slots (BLOCK_SIZE of them; tl.arange takes powers of two)
     heads = kv_head * GROUP + g
     live = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :], mask=live, other=0.0)
@@ -121,10 +121,11 @@ def paged_decode_split(
     for b in range(first, last):
         block = tl.load(table_ptr + row * table_stride + b).to(tl.int64)
         at = block * block_stride + n[:, None] * slot_stride + kv_head * head_stride + d[None, :]
-        keys = (b * BLOCK_SIZE + n) < length  # the block's slots past the length may hold anything: not read
-        k = tl.load(k_ptr + at, mask=keys[:, None] & dims, other=0.0).to(tl.float32)  # [BLOCK_SIZE, DIM_PAD]
+        # the block's slots past the length may hold anything: not read
+        keys = (n < BLOCK_SIZE) & (b * BLOCK_SIZE + n < length)
+        k = tl.load(k_ptr + at, mask=keys[:, None] & dims, other=0.0).to(tl.float32)  # [BLOCK_PAD, DIM_PAD]
         v = tl.load(v_ptr + at, mask=keys[:, None] & dims, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_SIZE]
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_PAD]
         scores = tl.where(keys[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: a block holds a key below length
         probs = tl.exp(scores - new_max[:, None])

@@ -9,7 +9,9 @@ reshape_and_cache and silu_and_mul do the same, in CUDA C).
 `TritonPointwise` has the contracts of the CPU's `NativeKernels` for the same work (`rms_norm`, `head_rms_norm_`,
 `rope_`, `silu_mul`, `write_kv`), so the fused layers call either the same way. Each kernel rounds where the torch
 ops it replaces round (bf16: the normalised rows before the weight, each RoPE product and their sum, the SiLU
-before the product), so outputs equal those of transformers' modules up to the order of a sum.
+before the product), so outputs equal those of transformers' modules up to the order of a sum (on Triton's
+interpreter, bit for bit in bf16); compiled for a GPU, its fast exp, rsqrt and division can move a bf16 value
+by one unit in the last place.
 
 Triton is imported when a kernel is first built: the package is optional, and its interpreter
 (`TRITON_INTERPRET=1`), which the CPU tests run, is chosen when a kernel is decorated.
