@@ -37,17 +37,17 @@ def compile_all(bf16: str) -> int:
         (k.write_kv, ["*" + bf16, "*" + bf16, "*i64", "*" + bf16, "*" + bf16, "i32", "i32", "i32", "i32"],
          dict(ROWS=4, WIDTH_PAD=1024)),
         (k.paged_decode_split, ["*" + bf16] * 3 + ["*i64", "*i64", "*" + bf16, "*fp32", "*fp32", "*fp32", "fp32"]
-         + ["i32"] * 5, dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16,
+         + ["i32"] * 6, dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16,
                              BLOCK_PAD=16, MERGED=False)),
         (k.paged_decode_split, ["*" + bf16] * 3 + ["*i64", "*i64", "*" + bf16, "*fp32", "*fp32", "*fp32", "fp32"]
-         + ["i32"] * 5, dict(NUM_HEADS=9, GROUP=3, GROUP_PAD=4, HEAD_DIM=64, DIM_PAD=64, BLOCK_SIZE=12,
+         + ["i32"] * 6, dict(NUM_HEADS=9, GROUP=3, GROUP_PAD=4, HEAD_DIM=64, DIM_PAD=64, BLOCK_SIZE=12,
                              BLOCK_PAD=16, MERGED=True)),
         (k.paged_decode_merge, ["*" + bf16, "*fp32", "*fp32", "*fp32", "i32"],
          dict(NUM_HEADS=32, HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=16)),
-        (k.paged_varlen_attention, ["*" + bf16] * 4 + ["*i32"] * 3 + ["fp32"] + ["i32"] * 4,
+        (k.paged_varlen_attention, ["*" + bf16] * 4 + ["*i32"] * 3 + ["fp32"] + ["i32"] * 5,
          dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=4, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, BLOCK_Q=16, BLOCK_N=32,
               PRECISION="tf32" if bf16 == "bf16" else "ieee")),
-        (k.paged_varlen_attention, ["*" + bf16] * 4 + ["*i32"] * 3 + ["fp32"] + ["i32"] * 4,
+        (k.paged_varlen_attention, ["*" + bf16] * 4 + ["*i32"] * 3 + ["fp32"] + ["i32"] * 5,
          dict(NUM_HEADS=9, GROUP=3, GROUP_PAD=4, HEAD_DIM=64, DIM_PAD=64, BLOCK_SIZE=16, BLOCK_Q=4, BLOCK_N=32,
               PRECISION="tf32" if bf16 == "bf16" else "ieee")),
     ]

@@ -53,7 +53,8 @@ def test_each_split_count_equals_softmax_over_the_rows_own_keys(heads: int, kv_h
     num_blocks, rows, width = 48, 5, 12
     k = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     v = k.clone()
-    q = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)  # strided rows, as the fused layers pass them
     lengths = torch.tensor([1, block_size, block_size + 1, 5 * block_size + 3, width * block_size])
     order = torch.randperm(num_blocks, generator=g)
     table = torch.empty((rows, width), dtype=torch.long)

@@ -67,7 +67,9 @@ def test_every_row_equals_causal_softmax_over_its_sequence(heads: int, kv_heads:
             slots[:keys] = torch.randn(keys, kv_heads, head_dim, generator=g).to(dtype)
             values[table] = slots.view(used, block_size, kv_heads, head_dim)
         sequences.append((count, keys, table))
-    q = torch.randn(sum(c for c, _, _ in sequences), heads, head_dim, generator=g).to(dtype)
+    tokens = sum(c for c, _, _ in sequences)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # strided rows, as the fused layers pass them
     out = varlen_attention(q, k, v, varlen_step(sequences, block_size, torch.device("cpu")), 0.125)
     expected = _reference(q, k, v, sequences, 0.125)
     assert out.dtype == dtype and expected.isfinite().all()

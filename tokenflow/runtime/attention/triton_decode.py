@@ -70,8 +70,9 @@ def paged_decode_attention(
     splits = -(-blocks // blocks_per_split)  # none empty by construction
     dim_pad = _power_of_two(head_dim)
     split_kernel, merge_kernel = _kernels()
-    q_rows = q_rows.contiguous()
-    out = torch.empty_like(q_rows)
+    if q_rows.stride(2) != 1 or q_rows.stride(1) != head_dim:  # rows may be strided (views of a QKV projection)
+        q_rows = q_rows.contiguous()
+    out = torch.empty(q_rows.shape, dtype=q_rows.dtype, device=q_rows.device)
     merged = splits == 1
     parts = 0 if merged else rows * splits * num_heads
     acc = torch.empty(max(parts * dim_pad, 1), dtype=torch.float32, device=q_rows.device)
@@ -79,7 +80,8 @@ def paged_decode_attention(
     sums = torch.empty(max(parts, 1), dtype=torch.float32, device=q_rows.device)
     split_kernel[(rows, kv_heads, splits)](
         q_rows, k_cache, v_cache, block_table, lengths, out, acc, maxes, sums,
-        scale, block_table.stride(0), blocks_per_split, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        scale, q_rows.stride(0), block_table.stride(0), blocks_per_split, k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=_power_of_two(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_PAD=_power_of_two(block_size), MERGED=merged,
     )

@@ -77,13 +77,14 @@ def varlen_attention(
     group_pad = _power_of_two(group)
     # a tile of as many tokens as fill _TILE_ROWS rows, fewer when no sequence has that many (decode-only steps)
     block_q = max(_MIN_ROWS // group_pad, min(_TILE_ROWS // group_pad, _power_of_two(step.max_rows)), 1)
-    q_rows = q_rows.contiguous()
-    out = torch.empty_like(q_rows)
+    if q_rows.stride(2) != 1 or q_rows.stride(1) != head_dim:  # rows may be strided (views of a QKV projection)
+        q_rows = q_rows.contiguous()
+    out = torch.empty(q_rows.shape, dtype=q_rows.dtype, device=q_rows.device)
     sequences = step.seq_lens.shape[0]
     grid = (sequences, -(-step.max_rows // block_q), kv_heads)
     _kernel()[grid](
         q_rows, k_cache, v_cache, out, step.block_table, step.seq_lens, step.query_start,
-        scale, step.block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        scale, q_rows.stride(0), step.block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         DIM_PAD=max(16, _power_of_two(head_dim)), BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=_KEYS,
         PRECISION="ieee" if q_rows.dtype == torch.float32 else "tf32",

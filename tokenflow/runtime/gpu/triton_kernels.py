@@ -96,7 +96,7 @@ def write_kv(k_ptr, v_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, rows, k_stride, 
 @triton.jit
 def paged_decode_split(
     q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, acc_ptr, max_ptr, sum_ptr,
-    scale, table_stride, blocks_per_split, block_stride, slot_stride, head_stride,
+    scale, q_stride, table_stride, blocks_per_split, block_stride, slot_stride, head_stride,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr, MERGED: tl.constexpr,
 ):
@@ -110,7 +110,7 @@ def paged_decode_split(
     n = tl.arange(0, BLOCK_PAD)  # a block's slots (BLOCK_SIZE of them; tl.arange takes powers of two)
     heads = kv_head * GROUP + g
     live = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :], mask=live, other=0.0)
+    q = tl.load(q_ptr + row * q_stride + heads[:, None] * HEAD_DIM + d[None, :], mask=live, other=0.0)
     q = q.to(tl.float32) * scale
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
@@ -168,7 +168,7 @@ def paged_decode_merge(
 @triton.jit
 def paged_varlen_attention(
     q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, seq_lens_ptr, query_start_ptr,
-    scale, table_stride, block_stride, slot_stride, head_stride,
+    scale, q_stride, table_stride, block_stride, slot_stride, head_stride,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -191,8 +191,9 @@ def paged_varlen_attention(
         d = tl.arange(0, DIM_PAD)
         dims = d < HEAD_DIM
         heads = kv_head * GROUP + g
-        at_q = (q_begin + tok)[:, None] * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :]
-        q = tl.load(q_ptr + at_q, mask=rows[:, None] & dims[None, :], other=0.0).to(tl.float32)
+        at_head = heads[:, None] * HEAD_DIM + d[None, :]
+        q = tl.load(q_ptr + (q_begin + tok)[:, None] * q_stride + at_head, mask=rows[:, None] & dims[None, :],
+                    other=0.0).to(tl.float32)
         pos = context + tok  # each row's query position: it sees keys 0..pos
         last_key = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)
         running_max = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
@@ -217,4 +218,5 @@ def paged_varlen_attention(
             acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision=PRECISION)
             running_max = new_max
         out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
-        tl.store(out_ptr + at_q, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & dims[None, :])
+        at_out = (q_begin + tok)[:, None] * (NUM_HEADS * HEAD_DIM) + at_head
+        tl.store(out_ptr + at_out, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & dims[None, :])
