@@ -30,13 +30,19 @@ __all__ = ("compile_mlps", "decode_buckets", "padded_size")
 log = logging.getLogger("tokenflow")
 
 
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    """Powers of two below `max_num_seqs`, and `max_num_seqs` itself."""
-    sizes, n = [], 1
-    while n < max_num_seqs:
+def doubling_buckets(largest: int, smallest: int = 1) -> list[int]:
+    """`smallest`, twice it, four times it, ... below `largest`, and `largest` itself: the padded sizes of
+    fixed-shape steps (batch rows, context blocks, step tokens)."""
+    sizes, n = [], smallest
+    while n < largest:
         sizes.append(n)
         n *= 2
-    return [*sizes, max_num_seqs]
+    return [*sizes, largest]
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Powers of two below `max_num_seqs`, and `max_num_seqs` itself."""
+    return doubling_buckets(max_num_seqs)
 
 
 def padded_size(n: int, buckets: list[int]) -> int:

@@ -46,6 +46,7 @@ from tokenflow.runtime.attention.layer import LayerAttention
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, sdpa_backends
 from tokenflow.runtime.attention.static_decode import StaticDecode
 from tokenflow.runtime.attention.triton_decode import decode_splits
+from tokenflow.runtime.compiled import doubling_buckets
 from tokenflow.runtime.device_sampler import DeviceSampler, Draw, draw_of
 
 if TYPE_CHECKING:
@@ -63,11 +64,7 @@ StepOut = torch.Tensor | tuple[torch.Tensor, ...]  # a graph's logits, or the to
 
 def context_buckets(max_blocks: int) -> list[int]:
     """Powers of two from `MIN_CONTEXT_BLOCKS` below `max_blocks`, and `max_blocks` itself."""
-    sizes, n = [], MIN_CONTEXT_BLOCKS
-    while n < max_blocks:
-        sizes.append(n)
-        n *= 2
-    return [*sizes, max_blocks]
+    return doubling_buckets(max_blocks, MIN_CONTEXT_BLOCKS)
 
 
 def _device_programs(device: torch.device) -> int:

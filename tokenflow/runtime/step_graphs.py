@@ -29,6 +29,7 @@ from tokenflow.kv.kv_cache import KVCache
 from tokenflow.runtime.attention.layer import LayerAttention
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata
 from tokenflow.runtime.attention.triton_varlen import VarlenStep
+from tokenflow.runtime.compiled import doubling_buckets
 
 if TYPE_CHECKING:
     from tokenflow.runtime.fused_layers import FusedDecoder
@@ -43,11 +44,7 @@ MIN_TOKENS = 16  # the smallest token bucket
 
 def token_buckets(max_tokens: int) -> list[int]:
     """Powers of two from `MIN_TOKENS` below `max_tokens`, and `max_tokens` itself."""
-    sizes, n = [], MIN_TOKENS
-    while n < max_tokens:
-        sizes.append(n)
-        n *= 2
-    return [*sizes, max_tokens]
+    return doubling_buckets(max_tokens, MIN_TOKENS)
 
 
 class StepGraphs:
