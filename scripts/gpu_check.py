@@ -29,6 +29,10 @@ shows everything that works and everything that does not:
    Triton decode attention, and its logits' distance from the gathered path's), beside transformers'
    static-cache `generate` and `generate_batch` on the same model.
 
+Last, one `goal:` row per goal of the GPU issue that the run measured (the best variant's figure against it:
+decode steps at batch 1 and 16, concurrency-16 requests/s against 3x the H200 baseline, the 8B shapes' roofline
+fractions and ratio to transformers' static cache, fp32 parity).
+
     python scripts/gpu_check.py [MODEL] [--device cuda] [--json FILE]
     python scripts/gpu_check.py --dry-run      # on the CPU, tiny shapes: every line of checks 2, 8, 9 runs
 """
@@ -490,6 +494,64 @@ async def check_shapes(device: str, shapes: list[str], peers: list[str], dry_run
         report(f"shape {name}", line)
 
 
+# -- the issue's goals, from what ran --------------------------------------------------------------------
+BASELINE_C16_REQ_PER_S = 27.8  # graphs at concurrency 16 on an H200, 2026-12-04 (docs/gpu_check_h200.md, run 3)
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "NOT met"
+
+
+def report_goals() -> None:
+    """One row per goal of the GPU issue that this run measured: the best variant's figure against it."""
+    goals: dict[str, dict[str, Any]] = {}
+    speed = RESULTS.get("speed", {})
+    if isinstance(speed, dict) and "failed" not in speed:
+        for batch, limit in ((1, 1.0), (16, 1.5)):
+            by_batch = {name: row["decode_step_ms_by_batch"] for name, row in speed.items()
+                        if name.endswith(f" c{batch}")}
+            steps = {name: (rows.get(batch) or rows.get(str(batch)) or {}).get("step")
+                     for name, rows in by_batch.items()}
+            steps = {name: ms for name, ms in steps.items() if ms}
+            if steps:
+                best = min(steps, key=lambda name: steps[name])
+                goals[f"decode step, batch {batch}"] = {"ms": steps[best], "variant": best, "goal_ms": limit,
+                                                        "met": steps[best] <= limit}
+        c16 = {name: row["req_per_s"] for name, row in speed.items() if name.endswith(" c16")}
+        if c16:
+            best = max(c16, key=lambda name: c16[name])
+            goals["chat requests/s, concurrency 16"] = {"req_per_s": c16[best], "variant": best,
+                                                       "goal": 3 * BASELINE_C16_REQ_PER_S,
+                                                       "met": c16[best] >= 3 * BASELINE_C16_REQ_PER_S}
+    for name in ("llama-3.1-8b", "qwen3-8b"):
+        shape = RESULTS.get(f"shape {name}")
+        if not isinstance(shape, dict) or "failed" in shape:
+            continue
+        decode, prefill = shape["decode"], shape["prefill"]
+        if "1" in decode:
+            goals[f"{name}: batch-1 decode of the roofline"] = {"fraction": decode["1"]["of_roofline"],
+                                                               "goal": 0.8, "met": decode["1"]["of_roofline"] >= 0.8}
+        if "64" in decode:
+            goals[f"{name}: batch-64 decode of the roofline"] = {
+                "fraction": decode["64"]["of_roofline"], "goal": 0.6, "met": decode["64"]["of_roofline"] >= 0.6}
+        goals[f"{name}: 2k prefill of the roofline"] = {"fraction": prefill["of_roofline"], "goal": 0.6,
+                                                       "met": prefill["of_roofline"] >= 0.6}
+        if "transformers_static_b1" in shape and "1" in decode:
+            ratio = decode["1"]["tokens_per_s"] / shape["transformers_static_b1"]["tokens_per_s"]
+            goals[f"{name}: batch 1 vs transformers' compiled static cache"] = {"ratio": ratio, "goal": 1.5,
+                                                                               "met": ratio >= 1.5}
+    for name in ("oracle_fp32", "oracle_fp32_triton"):
+        oracle = RESULTS.get(name)
+        if isinstance(oracle, dict) and "failed" not in oracle:
+            goals[f"fp32 parity ({name})"] = {"diverged": oracle["sequences_diverged"],
+                                             "met": oracle["sequences_diverged"] == 0}
+    RESULTS["goals"] = goals
+    for goal, got in goals.items():
+        figures = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in got.items() if k != "met")
+        report(f"goal: {goal}", f"{_verdict(got['met'])} ({figures})")
+
+
 async def main(args: argparse.Namespace) -> int:
     """Every check in `args.checks`; the number that failed."""
     device = args.device
@@ -516,6 +578,7 @@ async def main(args: argparse.Namespace) -> int:
     }
     for name in args.checks.split(","):
         await attempt(name, checks[name])
+    report_goals()
     width = max(len(name) for name, _ in ROWS)
     print("\n" + "\n".join(f"{name:<{width}}  {value}" for name, value in ROWS))
     if args.json:

@@ -41,6 +41,10 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         assert shape["transformers_static_b1"]["tokens_per_s"] > 0
         assert shape["transformers_generate_batch_c16"]["tokens"] == 4 * 8  # every request its 8 tokens
         assert shape["graphs"]["device_sampled_steps"] > 0
+    goals = results["goals"]  # the issue's goals this run measured, each with its verdict
+    assert {"llama-3.1-8b: batch-1 decode of the roofline", "llama-3.1-8b: 2k prefill of the roofline",
+            "llama-3.1-8b: batch 1 vs transformers' compiled static cache"} <= set(goals)
+    assert all(isinstance(goal["met"], bool) for goal in goals.values())
 
 
 def test_without_a_gpu_the_real_check_refuses_to_start() -> None:
