@@ -300,9 +300,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
         "kernel: a step that holds part of a prompt is otherwise launched kernel by kernel from Python. Tested on "
         "the CPU at fixed shapes against transformers; not yet run on a GPU, so off by default")] = False
     cuda_triton_ops: Annotated[bool, _help(
-        "on CUDA, the fused layers' RMSNorms, Q/K head norms, RoPE, SiLU product and K/V writes as one Triton "
-        "kernel each instead of chains of torch ops (~13 kernels a layer instead of ~29: a small model's decode "
-        "step is bound by kernel count), with the torch ops' bf16 roundings. Needs the triton package. Their "
+        "on CUDA, the fused layers' RMSNorms (each with the residual add before it), Q/K head norms, RoPE, SiLU "
+        "product and K/V writes as one Triton kernel each instead of chains of torch ops (~11 kernels a layer "
+        "instead of ~29: a small model's decode step is bound by kernel count), with the torch ops' bf16 "
+        "roundings. Needs the triton package. Their "
         "arithmetic is tested on the CPU under Triton's interpreter and they compile for sm_80 and sm_90 there; "
         "not yet run on a GPU (`scripts/gpu_check.py` times them), so off by default")] = False
     speculative_tokens: Annotated[int, msgspec.Meta(ge=0, le=16), _help(

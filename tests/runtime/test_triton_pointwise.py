@@ -40,6 +40,22 @@ def test_rms_norm_is_transformers_norm(dtype: torch.dtype, width: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [576, 4096])
+def test_residual_add_and_norm_are_transformers_two_steps(dtype: torch.dtype, width: int) -> None:
+    g = torch.Generator().manual_seed(6)
+    x, residual = (torch.randn(7, width, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.rand(width, generator=g) + 0.5).to(dtype)
+    total, normed = TritonPointwise(HEAD_DIM).add_rms_norm(x, residual, weight, 1e-5)
+    want_total = residual + x  # transformers' residual add, rounded to the dtype
+    assert torch.equal(total, want_total)
+    if dtype == torch.float32:
+        want = F.rms_norm(want_total, (width,), weight, 1e-5)
+    else:
+        want = weight * F.rms_norm(want_total.float(), (width,), None, 1e-5).to(dtype)
+    torch.testing.assert_close(normed, want, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_head_norms_touch_only_their_heads(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
     heads, rows = 9, 5
@@ -119,7 +135,8 @@ def test_fused_layers_with_the_kernels_equal_transformers(name: str) -> None:
     assert runner.pointwise is not None and runner.fused is not None and runner.fused.pointwise is runner.pointwise
     assert runner.attention.native_write is runner.pointwise
     calls: dict[str, int] = {}
-    for op in ("rms_norm", "head_rms_norm_", "rope_", "silu_mul", "write_kv"):
+    assert runner.fused.fused_adds  # plain RMSNorms around attention and MLP: each residual add with its norm
+    for op in ("rms_norm", "add_rms_norm", "head_rms_norm_", "rope_", "silu_mul", "write_kv"):
         kernel = getattr(runner.pointwise, op)
 
         def counted(*args: object, _op: str = op, _kernel: object = kernel) -> object:
@@ -129,8 +146,10 @@ def test_fused_layers_with_the_kernels_equal_transformers(name: str) -> None:
         setattr(runner.pointwise, op, counted)
     fuse_rms_norms(model, runner.pointwise)  # as the backend routes the model's norms
     mixed_batch_matches_forward(name, ref, runner, pool)
-    expected = {"rms_norm", "rope_", "silu_mul", "write_kv"} | ({"head_rms_norm_"} if name == "qwen3" else set())
+    expected = {"rms_norm", "add_rms_norm", "rope_", "silu_mul", "write_kv"} | (
+        {"head_rms_norm_"} if name == "qwen3" else set())
     assert expected <= set(calls), calls
+    assert calls["add_rms_norm"] == 2 * calls["rope_"]  # two a layer (after attention, after the MLP)
 
 
 def test_the_model_norms_run_the_kernel_when_given() -> None:

@@ -148,6 +148,12 @@ def _gated_down(layer: _Layer, gate_up: torch.Tensor, inter: int, residual: torc
     return _add_linear(down, product, residual)
 
 
+def _add_norm(ops: TritonPointwise, x: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual + x` and `norm` of it, in one kernel (a plain RMSNorm: `FusedDecoder.fused_adds`)."""
+    return ops.add_rms_norm(x, residual, norm.weight, float(norm.variance_epsilon))
+
+
 def _head_norms(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module, heads: int, kv_heads: int,
                 native: PointwiseOps | None) -> None:
     """Qwen3's RMSNorm over each Q head and each K head of `qkv [T, (H + 2 KVH) D]`, in place (transformers
@@ -354,6 +360,12 @@ class FusedDecoder:
         self._tiles_possible = any(f.kernels.has_tiles for f in self._few_rows)
         # decode steps that run entirely through the few-rows and native kernels: all layers in one C call
         self.native_layers = _native_layers(self.layers, family, native, self.intermediate)
+        # the GPU's Triton ops: each residual add and the norm after it as one kernel, where the layers are plain
+        # (RMSNorms before attention and MLP, SiLU, no extra norms, no fused post-ops)
+        self.fused_adds = isinstance(self.pointwise, TritonPointwise) and is_plain_rms_norm(self.final_norm) and all(
+            layer.attention_out_norm is None and layer.mlp_out_norm is None and layer.activation is None
+            and layer.o_residual is None and layer.mlp is None
+            and is_plain_rms_norm(layer.input_norm) and is_plain_rms_norm(layer.post_norm) for layer in self.layers)
 
     def linear_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of every linear the loop runs, by name (`layers.<i>.qkv` / `.o` / `.gate_up` /
@@ -453,8 +465,11 @@ class FusedDecoder:
         last = len(self.layers) - 1
         attention = meta.attention
         assert attention is not None
+        fused_adds = self.fused_adds and isinstance(native, TritonPointwise)
+        normed: torch.Tensor | None = None  # with fused_adds, the next norm's output, formed with the residual add
         for index, layer in enumerate(self.layers):
-            qkv = _normed_linear(layer.qkv, layer.input_norm, h)  # [T, (H + 2 KVH) D]
+            # [T, (H + 2 KVH) D]; with fused_adds past the first layer, the input norm came with the residual add
+            qkv = layer.qkv(normed) if normed is not None else _normed_linear(layer.qkv, layer.input_norm, h)
             if layer.q_norm is not None and layer.k_norm is not None:
                 if self.family.width_norms:
                     _width_norms(qkv, layer.q_norm, layer.k_norm, q_end, k_end)
@@ -479,6 +494,13 @@ class FusedDecoder:
                     return self.final_norm(h[:0]) if hidden else self._logits(h[:0], False)
                 out, h = out.index_select(0, logits_to_keep), h.index_select(0, logits_to_keep)
                 t = h.shape[0]
+            if fused_adds:
+                assert isinstance(native, TritonPointwise)
+                h, normed = _add_norm(native, layer.o(out.reshape(t, q_end)), h, layer.post_norm)
+                product = native.silu_mul(layer.gate_up(normed))
+                after = self.layers[index + 1].input_norm if index < last else self.final_norm
+                h, normed = _add_norm(native, layer.down(product), h, after)
+                continue
             if layer.attention_out_norm is not None:
                 h = h + layer.attention_out_norm(layer.o(out.reshape(t, q_end)))
             elif post_ops and layer.o_residual is not None:
@@ -490,6 +512,8 @@ class FusedDecoder:
                 continue
             gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
             h = _gated_down(layer, gate_up, inter, h, native)
+        if fused_adds and normed is not None:  # the final norm's output, formed with the last residual add
+            return normed if hidden else self._head(normed, greedy)
         return self.final_norm(h) if hidden else self._logits(h, greedy)
 
     def _rope(self, h: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None,
@@ -508,12 +532,15 @@ class FusedDecoder:
     def _logits(self, rows: torch.Tensor, greedy: bool) -> torch.Tensor | GreedyTokens:
         """The head over the final norm of the rows to sample; with `greedy`, their tokens where the greedy head
         settles them."""
-        head = self.greedy_head
-        if greedy and head is not None:
-            normed = self.final_norm(rows)
-            if head.takes(normed):
-                tokens = head.tokens(normed)
-                if tokens is not None:
-                    return GreedyTokens(tokens)
-            return self.lm_head(normed)
+        if greedy and self.greedy_head is not None:
+            return self._head(self.final_norm(rows), greedy)
         return _normed_linear(self.lm_head, self.final_norm, rows)
+
+    def _head(self, normed: torch.Tensor, greedy: bool) -> torch.Tensor | GreedyTokens:
+        """The head over rows already through the final norm (`_logits`)."""
+        head = self.greedy_head
+        if greedy and head is not None and head.takes(normed):
+            tokens = head.tokens(normed)
+            if tokens is not None:
+                return GreedyTokens(tokens)
+        return self.lm_head(normed)

@@ -40,6 +40,27 @@ def rms_norm(x_ptr, w_ptr, out_ptr, rows, x_stride, out_stride, eps, width,
 
 
 @triton.jit
+def add_rms_norm(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, rows, eps, width,
+                 ROWS: tl.constexpr, WIDTH_PAD: tl.constexpr, ROUND: tl.constexpr):
+    """`residual + x` (stored: the next residual) and its RMSNorm, in one pass over `ROWS` contiguous rows."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, WIDTH_PAD)
+    live = (r < rows)[:, None] & (c < width)[None, :]
+    at = r[:, None] * width + c[None, :]
+    w = tl.load(w_ptr + c, mask=c < width, other=0.0).to(tl.float32)
+    total = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32) + tl.load(res_ptr + at, mask=live,
+                                                                                other=0.0).to(tl.float32)
+    if ROUND:  # the bf16 sum, as transformers' residual add rounds it; the norm reads the rounded sum
+        total = bf16_rounded(total)
+    tl.store(sum_ptr + at, total.to(sum_ptr.dtype.element_ty), mask=live)
+    y = total * tl.math.rsqrt(tl.sum(total * total, axis=1) / width + eps)[:, None]
+    out = y * w[None, :]
+    if ROUND:
+        out = bf16_rounded(bf16_rounded(y) * w[None, :])
+    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
 def rope(qkv_ptr, cos_ptr, sin_ptr, rows, qkv_stride, heads,
          ROWS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, ROUND: tl.constexpr):
     """x cos + rotate_half(x) sin in place on the first `heads` heads of each row."""

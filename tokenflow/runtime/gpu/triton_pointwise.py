@@ -3,15 +3,16 @@
 Why: a small model's decode step on a GPU is bound by how many kernels it launches, not by their work (a CUDA
 graph replays them back to back, but each still costs a few microseconds). With torch ops a layer runs ~29
 kernels: a bf16 RMSNorm is four (upcast, norm, round, weight), RoPE six, the K/V write two, the SiLU product two.
-Here each of those is one kernel, which brings a layer to ~13 (vLLM's fused_add_rms_norm, rotary_embedding,
+Here each of those is one kernel, which brings a layer to ~13 (vLLM's rms_norm, rotary_embedding,
 reshape_and_cache and silu_and_mul do the same, in CUDA C).
 
 `TritonPointwise` has the contracts of the CPU's `NativeKernels` for the same work (`rms_norm`, `head_rms_norm_`,
-`rope_`, `silu_mul`, `write_kv`), so the fused layers call either the same way. Each kernel rounds where the torch
-ops it replaces round (bf16: the normalised rows before the weight, each RoPE product and their sum, the SiLU
-before the product), so outputs equal those of transformers' modules up to the order of a sum (on Triton's
-interpreter, bit for bit in bf16); compiled for a GPU, its fast exp, rsqrt and division can move a bf16 value
-by one unit in the last place.
+`rope_`, `silu_mul`, `write_kv`), so the fused layers call either the same way; `add_rms_norm` also folds each
+residual add into the norm after it (vLLM's fused_add_rms_norm), which takes a layer to ~11 kernels. Each kernel
+rounds where the torch ops it replaces round (bf16: the residual sum, the normalised rows before the weight, each
+RoPE product and their sum, the SiLU before the product), so outputs equal those of transformers' modules up to
+the order of a sum (on Triton's interpreter, bit for bit in bf16); compiled for a GPU, its fast exp, rsqrt and
+division can move a bf16 value by one unit in the last place.
 
 Triton is imported when a kernel is first built: the package is optional, and its interpreter
 (`TRITON_INTERPRET=1`), which the CPU tests run, is chosen when a kernel is decorated.
@@ -72,6 +73,23 @@ class TritonPointwise:
                                                   WIDTH_PAD=width_pad, HEADS=1, ROUND=x.dtype != torch.float32,
                                                   num_warps=4 if width_pad <= 1024 else 8)
         return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual + x` (the next residual) and its RMSNorm, in one kernel: a layer's residual add and the norm
+        after it (vLLM's fused_add_rms_norm); contiguous `[rows, width]` of one dtype, `weight [width]`."""
+        rows, width = x.shape
+        if not (x.dtype in _FLOATS and x.dtype == residual.dtype == weight.dtype and x.is_contiguous()
+                and residual.is_contiguous() and residual.shape == x.shape and weight.shape == (width,)):
+            raise ValueError("add_rms_norm needs contiguous bf16 or fp32 rows of one shape and a weight [width] of "
+                             "their dtype")
+        total, out = torch.empty_like(x), torch.empty_like(x)
+        width_pad = _power_of_two(width)
+        per = _rows_per_program(width_pad)
+        self.kernels.add_rms_norm[(-(-rows // per),)](x, residual, weight, total, out, rows, eps, width, ROWS=per,
+                                                      WIDTH_PAD=width_pad, ROUND=x.dtype != torch.float32,
+                                                      num_warps=4 if width_pad <= 1024 else 8)
+        return total, out
 
     def head_rms_norm_(self, rows: torch.Tensor, heads: int, weight: torch.Tensor, eps: float) -> None:
         """RMSNorm in place over each of the first `heads` heads of `rows [n, >= heads * head_dim]` (a slice of a
