@@ -162,7 +162,7 @@ def triton_runs(device: torch.device) -> bool:
     """Whether the Triton decode kernel runs here: on CUDA with triton installed, or on its interpreter."""
     import os
 
-    from tokenflow.runtime.attention.triton_decode import triton_available
+    from tokenflow.runtime.gpu.triton_launch import triton_available
 
     return triton_available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 

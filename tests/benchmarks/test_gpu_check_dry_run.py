@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tokenflow.runtime.attention.triton_decode import triton_available
+from tokenflow.runtime.gpu.triton_launch import triton_available
 
 ROOT = Path(__file__).resolve().parents[2]
 

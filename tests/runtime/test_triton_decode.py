@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tokenflow.config import EngineConfig
-from tokenflow.runtime.attention.triton_decode import decode_splits, paged_decode_attention, triton_available
+from tokenflow.runtime.attention.triton_decode import decode_splits, paged_decode_attention
 from tokenflow.runtime.backends import paged as paged_backend
+from tokenflow.runtime.gpu.triton_launch import triton_available
 
 if not torch.cuda.is_available():
     assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets it before triton is imported"

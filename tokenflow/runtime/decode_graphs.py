@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 
@@ -54,17 +54,34 @@ if TYPE_CHECKING:
     from tokenflow.runtime.paged_runner import SeqChunk
     from tokenflow.runtime.sampler import SamplingRow
 
-__all__ = ("MIN_CONTEXT_BLOCKS", "DecodeGraphs", "context_buckets")
+__all__ = ("MIN_CONTEXT_BLOCKS", "DecodeGraphs", "capture_graph", "context_buckets")
 
 log = logging.getLogger("tokenflow")
 
 MIN_CONTEXT_BLOCKS = 8  # the smallest context bucket: shorter contexts share one graph
 StepOut = torch.Tensor | tuple[torch.Tensor, ...]  # a graph's logits, or the tokens it drew (and their logprobs)
+T = TypeVar("T")
 
 
 def context_buckets(max_blocks: int) -> list[int]:
     """Powers of two from `MIN_CONTEXT_BLOCKS` below `max_blocks`, and `max_blocks` itself."""
     return doubling_buckets(max_blocks, MIN_CONTEXT_BLOCKS)
+
+
+def capture_graph(device: torch.device, step: Callable[[bool], T], pool: tuple[int, int]
+                  ) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`step` captured as a CUDA graph into `pool`, after one warm-up run on a side stream outside the graph
+    (lazy initialisation: cuBLAS handles, workspaces, Triton's compiles); `step(record)` is told which run
+    counts (the warm-up's False). Returns the graph and the captured run's output (its buffers)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.inference_mode():
+        step(False)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+        out = step(True)
+    return graph, out
 
 
 def _device_programs(device: torch.device) -> int:
@@ -313,15 +330,7 @@ class DecodeGraphs:
 
     def _capture(self, step: Callable[[bool], StepOut], pool: tuple[int, int]
                  ) -> tuple[torch.cuda.CUDAGraph, StepOut]:
-        stream = torch.cuda.Stream(self.kv_cache.device)
-        stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
-        with torch.cuda.stream(stream), torch.inference_mode():
-            step(False)  # warm-up outside the graph: lazy initialisation (cuBLAS handles, workspaces)
-        torch.cuda.current_stream(self.kv_cache.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-            out = step(True)
-        return graph, out
+        return capture_graph(self.kv_cache.device, step, pool)
 
     def stats(self) -> dict[str, float | int]:
         return {"cuda_graphs": len(self._graphs), "cuda_graph_capture_s": round(self.capture_seconds, 2),

@@ -465,10 +465,10 @@ class FusedDecoder:
         last = len(self.layers) - 1
         attention = meta.attention
         assert attention is not None
-        fused_adds = self.fused_adds and isinstance(native, TritonPointwise)
-        normed: torch.Tensor | None = None  # with fused_adds, the next norm's output, formed with the residual add
+        adds = native if self.fused_adds and isinstance(native, TritonPointwise) else None  # `fused_adds`' kernels
+        normed: torch.Tensor | None = None  # with them, the next norm's output, formed with the residual add
         for index, layer in enumerate(self.layers):
-            # [T, (H + 2 KVH) D]; with fused_adds past the first layer, the input norm came with the residual add
+            # [T, (H + 2 KVH) D]; with `adds` past the first layer, the input norm came with the residual add
             qkv = layer.qkv(normed) if normed is not None else _normed_linear(layer.qkv, layer.input_norm, h)
             if layer.q_norm is not None and layer.k_norm is not None:
                 if self.family.width_norms:
@@ -494,12 +494,11 @@ class FusedDecoder:
                     return self.final_norm(h[:0]) if hidden else self._logits(h[:0], False)
                 out, h = out.index_select(0, logits_to_keep), h.index_select(0, logits_to_keep)
                 t = h.shape[0]
-            if fused_adds:
-                assert isinstance(native, TritonPointwise)
-                h, normed = _add_norm(native, layer.o(out.reshape(t, q_end)), h, layer.post_norm)
-                product = native.silu_mul(layer.gate_up(normed))
+            if adds is not None:
+                h, normed = _add_norm(adds, layer.o(out.reshape(t, q_end)), h, layer.post_norm)
+                product = adds.silu_mul(layer.gate_up(normed))
                 after = self.layers[index + 1].input_norm if index < last else self.final_norm
-                h, normed = _add_norm(native, layer.down(product), h, after)
+                h, normed = _add_norm(adds, layer.down(product), h, after)
                 continue
             if layer.attention_out_norm is not None:
                 h = h + layer.attention_out_norm(layer.o(out.reshape(t, q_end)))
@@ -512,7 +511,7 @@ class FusedDecoder:
                 continue
             gate_up = _normed_linear(layer.gate_up, layer.post_norm, h)  # [T, 2 I]
             h = _gated_down(layer, gate_up, inter, h, native)
-        if fused_adds and normed is not None:  # the final norm's output, formed with the last residual add
+        if normed is not None:  # `adds`: the final norm's output, formed with the last residual add
             return normed if hidden else self._head(normed, greedy)
         return self.final_norm(h) if hidden else self._logits(h, greedy)
 

@@ -389,10 +389,11 @@ class PagedModelRunner:
         # every row in one Triton kernel: no decode groups or prefill segments to build (nor their tensors)
         varlen = self.triton_attention and not (kv_cache.quantized or sliding or sparse)
         groups = self._pack_decodes(chunks, decodes, rows, build_groups=not varlen)
-        segments = [] if varlen else [self._prefill_segment(chunks[i], rows.add(i, chunks[i])) for i in prefills]
-        if varlen:
-            for i in prefills:
-                rows.add(i, chunks[i])
+        segments = []
+        for i in prefills:
+            row = rows.add(i, chunks[i])
+            if not varlen:
+                segments.append(self._prefill_segment(chunks[i], row))
         windowed = [self._sliding_segment(chunks[i], rows.add(i, chunks[i])) for i in sliding]
         topk = [self._topk_decode(chunks[i], rows.add(i, chunks[i])) for i in sparse]
         context = [chunks[i].start_pos + len(chunks[i].token_ids) for i in [*decodes, *prefills, *sparse]]

@@ -30,6 +30,7 @@ from tokenflow.runtime.attention.layer import LayerAttention
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata
 from tokenflow.runtime.attention.triton_varlen import VarlenStep
 from tokenflow.runtime.compiled import doubling_buckets
+from tokenflow.runtime.decode_graphs import capture_graph
 
 if TYPE_CHECKING:
     from tokenflow.runtime.fused_layers import FusedDecoder
@@ -178,20 +179,11 @@ class StepGraphs:
     def _capture_bucket(self, tokens: int) -> None:
         """Capture one bucket (a step of padding only writes the scratch block); out of memory turns capturing
         off, and steps run at fixed shapes eagerly."""
-        device = self.kv_cache.device
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         self._stage([], tokens)
         try:
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream), torch.inference_mode():
-                self._forward(tokens)  # warm-up outside the graph: Triton's compiles, cuBLAS's handles
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool), torch.inference_mode():
-                out = self._forward(tokens)
-            self._graphs[tokens] = (graph, out)
+            self._graphs[tokens] = capture_graph(self.kv_cache.device, lambda _: self._forward(tokens), self._pool)
         except torch.OutOfMemoryError:
             log.warning("out of memory capturing a CUDA graph for a step of %d tokens: steps with prefill chunks "
                         "run without graphs from now on", tokens)

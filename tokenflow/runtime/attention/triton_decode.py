@@ -11,26 +11,18 @@ Shapes stay fixed per (batch, context) bucket: the split count is a function of 
 (`decode_splits`), so a captured graph replays the same launches. Decode attention is bound by memory, so
 the products are fp32 sums of broadcast products, not tensor-core dots (which need 16 query rows).
 
-Triton is imported when a kernel is first built, not at import: the package is optional (CUDA only), and
-its interpreter (`TRITON_INTERPRET=1`), which the CPU tests run, is chosen when a kernel is decorated.
+Triton is imported when a kernel is first launched (`gpu.triton_launch`).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-from typing import Any
-
 import torch
 
-__all__ = ("MIN_BLOCKS_PER_SPLIT", "decode_splits", "paged_decode_attention", "triton_available")
+from tokenflow.runtime.gpu.triton_launch import power_of_two, triton_kernels
+
+__all__ = ("MIN_BLOCKS_PER_SPLIT", "decode_splits", "paged_decode_attention")
 
 MIN_BLOCKS_PER_SPLIT = 4  # fewer blocks per program leave the merge more work than the split saves
-
-
-def triton_available() -> bool:
-    """Whether the `triton` package is installed (it ships with CUDA builds of torch)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def decode_splits(rows: int, kv_heads: int, blocks: int, programs: int) -> int:
@@ -38,17 +30,6 @@ def decode_splits(rows: int, kv_heads: int, blocks: int, programs: int) -> int:
     each over at least `MIN_BLOCKS_PER_SPLIT` blocks."""
     wanted = -(-programs // (rows * kv_heads))
     return max(1, min(wanted, blocks // MIN_BLOCKS_PER_SPLIT))
-
-
-@functools.cache
-def _kernels() -> tuple[Any, Any]:
-    from tokenflow.runtime.gpu import triton_kernels  # imports triton
-
-    return triton_kernels.paged_decode_split, triton_kernels.paged_decode_merge
-
-
-def _power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def paged_decode_attention(
@@ -68,8 +49,8 @@ def paged_decode_attention(
     blocks = block_table.shape[1]
     blocks_per_split = -(-blocks // splits)
     splits = -(-blocks // blocks_per_split)  # none empty by construction
-    dim_pad = _power_of_two(head_dim)
-    split_kernel, merge_kernel = _kernels()
+    dim_pad = power_of_two(head_dim)
+    kernels = triton_kernels()
     if q_rows.stride(2) != 1 or q_rows.stride(1) != head_dim:  # rows may be strided (views of a QKV projection)
         q_rows = q_rows.contiguous()
     out = torch.empty(q_rows.shape, dtype=q_rows.dtype, device=q_rows.device)
@@ -78,16 +59,16 @@ def paged_decode_attention(
     acc = torch.empty(max(parts * dim_pad, 1), dtype=torch.float32, device=q_rows.device)
     maxes = torch.empty(max(parts, 1), dtype=torch.float32, device=q_rows.device)
     sums = torch.empty(max(parts, 1), dtype=torch.float32, device=q_rows.device)
-    split_kernel[(rows, kv_heads, splits)](
+    kernels.paged_decode_split[(rows, kv_heads, splits)](
         q_rows, k_cache, v_cache, block_table, lengths, out, acc, maxes, sums,
         scale, q_rows.stride(0), block_table.stride(0), blocks_per_split, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2),
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=_power_of_two(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_PAD=_power_of_two(block_size), MERGED=merged,
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=power_of_two(group), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_PAD=power_of_two(block_size), MERGED=merged,
     )
     if not merged:
-        merge_kernel[(rows, num_heads)](
+        kernels.paged_decode_merge[(rows, num_heads)](
             out, acc, maxes, sums, splits,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=_power_of_two(splits),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=power_of_two(splits),
         )
     return out

@@ -13,11 +13,11 @@ fp32 for an fp32 model.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from tokenflow.runtime.gpu.triton_launch import power_of_two, triton_kernels
 
 __all__ = ("VarlenStep", "varlen_attention", "varlen_step")
 
@@ -52,17 +52,6 @@ def varlen_step(rows: list[tuple[int, int, list[int]]], block_size: int, device:
     )
 
 
-@functools.cache
-def _kernel() -> Any:
-    from tokenflow.runtime.gpu import triton_kernels  # imports triton
-
-    return triton_kernels.paged_varlen_attention
-
-
-def _power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def varlen_attention(
     q_rows: torch.Tensor,  # [T, H, D] RoPE applied, the step's rows in packed order
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], this step's K/V already written
@@ -74,19 +63,19 @@ def varlen_attention(
     _, num_heads, head_dim = q_rows.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
-    group_pad = _power_of_two(group)
+    group_pad = power_of_two(group)
     # a tile of as many tokens as fill _TILE_ROWS rows, fewer when no sequence has that many (decode-only steps)
-    block_q = max(_MIN_ROWS // group_pad, min(_TILE_ROWS // group_pad, _power_of_two(step.max_rows)), 1)
+    block_q = max(_MIN_ROWS // group_pad, min(_TILE_ROWS // group_pad, power_of_two(step.max_rows)), 1)
     if q_rows.stride(2) != 1 or q_rows.stride(1) != head_dim:  # rows may be strided (views of a QKV projection)
         q_rows = q_rows.contiguous()
     out = torch.empty(q_rows.shape, dtype=q_rows.dtype, device=q_rows.device)
     sequences = step.seq_lens.shape[0]
     grid = (sequences, -(-step.max_rows // block_q), kv_heads)
-    _kernel()[grid](
+    triton_kernels().paged_varlen_attention[grid](
         q_rows, k_cache, v_cache, out, step.block_table, step.seq_lens, step.query_start,
         scale, q_rows.stride(0), step.block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        DIM_PAD=max(16, _power_of_two(head_dim)), BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=_KEYS,
+        DIM_PAD=max(16, power_of_two(head_dim)), BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=_KEYS,
         PRECISION="ieee" if q_rows.dtype == torch.float32 else "tf32",
     )
     return out

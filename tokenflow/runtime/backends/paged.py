@@ -20,13 +20,13 @@ from tokenflow.errors import ModelLoadError
 from tokenflow.hub.cache import tokenflow_home
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.protocols import DeviceTokens, EngineContext, StepPlan
-from tokenflow.runtime.attention.triton_decode import triton_available
 from tokenflow.runtime.compiled import compile_mlps, decode_buckets, padded_size
 from tokenflow.runtime.cpu.packed_linear import pack_linears
 from tokenflow.runtime.cpu.rms_norm import fuse_rms_norms
 from tokenflow.runtime.decode_graphs import DecodeGraphs
 from tokenflow.runtime.device_sampler import device_rows
 from tokenflow.runtime.gated_mlp import inplace_gated_mlps
+from tokenflow.runtime.gpu.triton_launch import triton_available
 from tokenflow.runtime.lora import install_lora_layers
 from tokenflow.runtime.paged_runner import (
     PagedModelRunner,
@@ -277,26 +277,23 @@ class PagedBackend:
             self.graph_error = repr(exc)
             torch.cuda.empty_cache()
 
-    def _triton_ops(self, device: torch.device) -> bool:
-        """`cuda_triton_ops` on a CUDA device where the triton package is installed (said once in the log where
-        it is missing)."""
-        if not self.config.cuda_triton_ops or device.type != "cuda":
+    @staticmethod
+    def _triton(asked: bool, setting: str, instead: str, device: torch.device) -> bool:
+        """A Triton setting that was `asked` for, on a CUDA device where the triton package is installed (said once
+        in the log where it is missing: `instead` serves)."""
+        if not asked or device.type != "cuda":
             return False
         if not triton_available():
-            log.warning("cuda_triton_ops=True but the triton package is not installed: torch ops serve")
+            log.warning("%s but the triton package is not installed: %s", setting, instead)
             return False
         return True
 
+    def _triton_ops(self, device: torch.device) -> bool:
+        return self._triton(self.config.cuda_triton_ops, "cuda_triton_ops=True", "torch ops serve", device)
+
     def _triton_attention(self, device: torch.device) -> bool:
-        """`cuda_attention="triton"` on a CUDA device where the triton package is installed (said once in the log
-        where it is missing)."""
-        if self.config.cuda_attention != "triton" or device.type != "cuda":
-            return False
-        if not triton_available():
-            log.warning("cuda_attention='triton' but the triton package is not installed: SDPA over gathered blocks "
-                        "serves")
-            return False
-        return True
+        return self._triton(self.config.cuda_attention == "triton", "cuda_attention='triton'",
+                            "SDPA over gathered blocks serves", device)
 
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
         """Model thread: the final hidden states of `token_ids` (`Engine.embed`), a step's token budget at a

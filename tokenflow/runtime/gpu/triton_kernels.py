@@ -1,5 +1,5 @@
-"""The Triton kernels of the GPU path, in one module that imports triton: imported only where they run
-(`attention.triton_decode`, `gpu.triton_pointwise` import it on first use), since triton is optional.
+"""The Triton kernels of the GPU path, in one module that imports triton: imported on first use
+(`gpu.triton_launch.triton_kernels`), since triton is optional.
 
 Module-level functions, so that a kernel can call another (`bf16_rounded`) both when compiled and on Triton's
 interpreter (`TRITON_INTERPRET=1`, which the CPU tests run; set before this module is imported).

@@ -14,16 +14,16 @@ RoPE product and their sum, the SiLU before the product), so outputs equal those
 the order of a sum (on Triton's interpreter, bit for bit in bf16); compiled for a GPU, its fast exp, rsqrt and
 division can move a bf16 value by one unit in the last place.
 
-Triton is imported when a kernel is first built: the package is optional, and its interpreter
-(`TRITON_INTERPRET=1`), which the CPU tests run, is chosen when a kernel is decorated.
+Triton is imported when the first `TritonPointwise` is made (`gpu.triton_launch`).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+
+from tokenflow.runtime.gpu.triton_launch import power_of_two, triton_kernels
 
 __all__ = ("TritonPointwise",)
 
@@ -32,24 +32,15 @@ _ROWS = 4  # rows per program: fewer programs for a prefill chunk, none wasted o
 _VALUES = 4096  # at most this many values per program (rows x padded width), so a tile stays in registers
 
 
-def _power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-@functools.cache
-def _kernels() -> Any:
-    from tokenflow.runtime.gpu import triton_kernels  # imports triton
-
-    return triton_kernels
-
-
 def _grid(rows: int) -> tuple[int]:
     return (-(-rows // _ROWS),)
 
 
-def _rows_per_program(width_pad: int) -> int:
-    """Rows of a norm's program: four of a 576-wide model's, one of a 4,096-wide one's."""
-    return max(1, min(_ROWS, _VALUES // width_pad))
+def _norm_tiling(width: int) -> tuple[int, int, int]:
+    """A norm's program: its rows (four of a 576-wide model's, one of a 4,096-wide one's), the padded width, and
+    its warps (eight past 1,024 values a row)."""
+    width_pad = power_of_two(width)
+    return max(1, min(_ROWS, _VALUES // width_pad)), width_pad, 4 if width_pad <= 1024 else 8
 
 
 class TritonPointwise:
@@ -58,7 +49,7 @@ class TritonPointwise:
 
     def __init__(self, head_dim: int) -> None:
         self.head_dim = head_dim
-        self.kernels: Any = _kernels()
+        self.kernels: Any = triton_kernels()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Llama-family RMSNorm of contiguous `x [..., width]` with a `weight [width]` of x's dtype."""
@@ -67,11 +58,10 @@ class TritonPointwise:
             raise ValueError("rms_norm needs contiguous bf16 or fp32 input and a weight [width] of its dtype")
         out = torch.empty_like(x)
         rows = x.numel() // width
-        width_pad = _power_of_two(width)
-        per = _rows_per_program(width_pad)
+        per, width_pad, warps = _norm_tiling(width)
         self.kernels.rms_norm[(-(-rows // per),)](x, weight, out, rows, width, width, eps, width, ROWS=per,
                                                   WIDTH_PAD=width_pad, HEADS=1, ROUND=x.dtype != torch.float32,
-                                                  num_warps=4 if width_pad <= 1024 else 8)
+                                                  num_warps=warps)
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -84,11 +74,10 @@ class TritonPointwise:
             raise ValueError("add_rms_norm needs contiguous bf16 or fp32 rows of one shape and a weight [width] of "
                              "their dtype")
         total, out = torch.empty_like(x), torch.empty_like(x)
-        width_pad = _power_of_two(width)
-        per = _rows_per_program(width_pad)
+        per, width_pad, warps = _norm_tiling(width)
         self.kernels.add_rms_norm[(-(-rows // per),)](x, residual, weight, total, out, rows, eps, width, ROWS=per,
                                                       WIDTH_PAD=width_pad, ROUND=x.dtype != torch.float32,
-                                                      num_warps=4 if width_pad <= 1024 else 8)
+                                                      num_warps=warps)
         return total, out
 
     def head_rms_norm_(self, rows: torch.Tensor, heads: int, weight: torch.Tensor, eps: float) -> None:
@@ -100,7 +89,7 @@ class TritonPointwise:
             raise ValueError("head_rms_norm_ needs bf16 or fp32 rows of unit stride and a weight [head_dim] of "
                              "their dtype")
         self.kernels.rms_norm[_grid(n)](rows, weight, rows, n, rows.stride(0), rows.stride(0), eps, self.head_dim,
-                                        ROWS=_ROWS, WIDTH_PAD=_power_of_two(self.head_dim), HEADS=heads,
+                                        ROWS=_ROWS, WIDTH_PAD=power_of_two(self.head_dim), HEADS=heads,
                                         ROUND=rows.dtype != torch.float32)
 
     def rope_(self, qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -114,7 +103,7 @@ class TritonPointwise:
                              "of their dtype")
         half = self.head_dim // 2
         self.kernels.rope[_grid(rows)](qkv, cos, sin, rows, qkv.stride(0), heads, ROWS=_ROWS, HALF=half,
-                                       HALF_PAD=_power_of_two(half), ROUND=qkv.dtype != torch.float32)
+                                       HALF_PAD=power_of_two(half), ROUND=qkv.dtype != torch.float32)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`silu(gate) * up` of a gated MLP's contiguous `gate_up [rows, 2 * inter]`: `[rows, inter]`."""
@@ -124,7 +113,7 @@ class TritonPointwise:
                              f"{tuple(gate_up.shape)}")
         inter = width // 2
         out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
-        columns = min(1024, _power_of_two(inter))
+        columns = min(1024, power_of_two(inter))
         self.kernels.silu_mul[(-(-rows // _ROWS), -(-inter // columns))](
             gate_up, out, rows, inter, ROWS=_ROWS, COLUMNS=columns, ROUND=gate_up.dtype != torch.float32)
         return out
@@ -142,5 +131,5 @@ class TritonPointwise:
             return False
         if rows:
             self.kernels.write_kv[_grid(rows)](k_new, v_new, slots, k_slots, v_slots, rows, k_new.stride(0),
-                                               v_new.stride(0), width, ROWS=_ROWS, WIDTH_PAD=_power_of_two(width))
+                                               v_new.stride(0), width, ROWS=_ROWS, WIDTH_PAD=power_of_two(width))
         return True
