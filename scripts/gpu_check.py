@@ -136,7 +136,7 @@ async def check_oracle_real(model: str, device: str, dtype: str, cuda_graphs: bo
 
     from tokenflow import Engine
 
-    settings = SPEED_VARIANTS["graphs-triton"] if triton else {}
+    settings = SPEED_VARIANTS["graphs-triton-async"] if triton else {}  # everything on
     async with Engine(model, device=device, dtype=dtype, cuda_graphs=cuda_graphs, **settings) as engine:
         ours = [await engine.generate(p, max_tokens=32, temperature=0.0, logprobs=5, ignore_eos=True)
                 for p in PROMPTS]
@@ -233,6 +233,7 @@ async def _engine_pass(model: str, device: str, prompts: list[list[int]], concur
     result["fixed_shape_decode_steps"] = stats.get("fixed_shape_decode_steps", 0)
     result["device_sampled_steps"] = stats.get("device_sampled_steps", 0)
     result["ahead_steps"] = stats.get("num_ahead_steps", 0)
+    result["chained_steps"] = stats.get("chained_decode_steps", 0)
     result["steps"] = stats.get("num_steps", 0)
     return result
 
@@ -245,7 +246,8 @@ def _report_pass(name: str, result: dict[str, Any], concurrency: int) -> None:
                  f"{step.get('step', float('nan')):.2f} ms (forward {step.get('forward', float('nan')):.2f}); "
                  f"{result['fixed_shape_decode_steps']} steps at fixed shapes, "
                  f"{result['device_sampled_steps']} of them sampled on the device; "
-                 f"{result['ahead_steps']} of {result['steps']} steps planned ahead")
+                 f"{result['ahead_steps']} of {result['steps']} steps planned ahead, "
+                 f"{result['chained_steps']} chained on the device")
 
 
 SPEED_VARIANTS: dict[str, dict[str, Any]] = {
@@ -253,6 +255,9 @@ SPEED_VARIANTS: dict[str, dict[str, Any]] = {
     "graphs-512": {"max_batch_tokens": 512},
     # every Triton setting: attention, pointwise kernels, graphs of the steps with prefill chunks
     "graphs-triton": {"cuda_attention": "triton", "cuda_triton_ops": True, "cuda_graph_prefill_steps": True},
+    # ... and decode steps chained on the device (async scheduling): nothing waits for the host between them
+    "graphs-triton-async": {"cuda_attention": "triton", "cuda_triton_ops": True, "cuda_graph_prefill_steps": True,
+                            "async_scheduling": True},
     "graphs-triton-attention": {"cuda_attention": "triton"}, "graphs-triton-ops": {"cuda_triton_ops": True},
     "graphs-triton-no-prefill-graphs": {"cuda_attention": "triton", "cuda_triton_ops": True},
 }

@@ -23,7 +23,7 @@ from tokenflow.config import EngineConfig
 from tokenflow.errors import EngineError
 from tokenflow.kv.block_pool import BlockPool
 from tokenflow.params import SamplingParams
-from tokenflow.protocols import ScheduledChunk, StepPlan
+from tokenflow.protocols import DeviceTokens, PendingTokens, ScheduledChunk, StepPlan
 from tokenflow.request import Request, RequestStatus
 from tokenflow.scheduler.scheduler import Scheduler
 
@@ -78,9 +78,20 @@ def _mixed_requests(stop: str) -> list[tuple[str, dict[str, Any]]]:
     return requests
 
 
-async def test_outputs_equal_the_usual_scheduling(tiny_model) -> None:
+@pytest.fixture(params=["dynamic", "device"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How decode steps run: the dynamic path, or at the fixed shapes of CUDA graphs (run eagerly here), where
+    tokens are drawn on the device and, with async scheduling, chained there: a step is queued behind the one
+    before with that step's tokens as its inputs before they reach the host (`DecodeGraphs.run`)."""
+    if request.param == "device":
+        monkeypatch.setattr("tokenflow.runtime.backends.paged.decode_graph_mode", lambda config, device: "eager")
+    return str(request.param)
+
+
+async def test_outputs_equal_the_usual_scheduling(tiny_model, decode_path: str) -> None:
     """Twelve concurrent and staggered requests of every kind: the same tokens, text and finish with async
-    scheduling as without, most decode steps planned ahead, no block left referenced."""
+    scheduling as without, most decode steps planned ahead (on the device: chained there), no block left
+    referenced."""
     async with running_engine(tiny_model, **SETTINGS) as engine:
         greedy = await engine.generate(PROMPTS[0], temperature=0.0, max_tokens=30, ignore_eos=True)
         stop = _stop_string(greedy.text)
@@ -93,6 +104,8 @@ async def test_outputs_equal_the_usual_scheduling(tiny_model) -> None:
     assert usual[len(PROMPTS)][2] == "stop" and stop not in usual[len(PROMPTS)][1]  # the stop string was met
     assert stats["num_ahead_steps"] > 0 and stats["num_ahead_skipped"] == 0
     assert stats["kv_blocks_used"] == 0 and stats["num_failed"] == 0
+    if decode_path == "device":
+        assert stats["chained_decode_steps"] > 0 and stats["deferred_decode_steps"] > stats["chained_decode_steps"]
 
 
 async def test_a_request_stopped_mid_chain_computes_one_dropped_token(tiny_model) -> None:
@@ -127,9 +140,10 @@ async def test_a_request_stopped_mid_chain_computes_one_dropped_token(tiny_model
     assert rows == [len(tokens) - 1, len(tokens)] and stats["num_ahead_steps"] > 0
 
 
-async def test_a_cancelled_stream_ends_only_itself(tiny_model) -> None:
+async def test_a_cancelled_stream_ends_only_itself(tiny_model, decode_path: str) -> None:
     """A stream cancelled with plain `task.cancel()` after 1..6 tokens, while its neighbours' decode steps
-    are planned ahead: each neighbour gets its solo answer, and nothing holds a block after."""
+    are planned ahead (on the device: chained there): each neighbour gets its solo answer, and nothing holds a
+    block after."""
     neighbours = [(p, dict(temperature=0.0, max_tokens=24, ignore_eos=True)) for p in PROMPTS[:4]]
     async with running_engine(tiny_model, async_scheduling=True, **SETTINGS) as engine:
         solo = [(await engine.generate(p, **params)).token_ids for p, params in neighbours]
@@ -154,6 +168,7 @@ async def test_a_cancelled_stream_ends_only_itself(tiny_model) -> None:
             stats = await until_idle(engine)
             assert stats["kv_blocks_used"] == 0
         assert stats["num_ahead_steps"] > 0 and stats["num_aborted"] == 6
+        assert decode_path == "dynamic" or stats["chained_decode_steps"] > 0
 
 
 async def test_a_failed_ahead_step_fails_its_requests_and_the_engine_carries_on(tiny_model) -> None:
@@ -238,6 +253,51 @@ async def test_a_row_with_non_finite_logits_fails_alone(tiny_model) -> None:
     assert poisoned["done"] and isinstance(results[1], EngineError)
     assert [results[k] for k in (0, 2, 3)] == [usual[k][0] for k in (0, 2, 3)]
     assert stats["num_ahead_skipped"] >= 1 and stats["num_failed"] == 1 and stats["kv_blocks_used"] == 0
+
+
+async def test_a_row_that_drew_no_token_on_the_device_fails_alone(tiny_model, monkeypatch) -> None:
+    """Steps chained on the device: one request's row of a step comes back without a token (-1, its logits not
+    finite) after the step behind it was already queued with that row's input taken on the device. The request
+    fails with `EngineError`, the token the queued step drew for it is dropped, and its neighbours carry on to
+    their usual answers; no block stays referenced."""
+    monkeypatch.setattr("tokenflow.runtime.backends.paged.decode_graph_mode", lambda config, device: "eager")
+    requests = [(p, dict(temperature=0.0, max_tokens=20 + (k == 1), ignore_eos=True))  # the victim: 21 tokens
+                for k, p in enumerate(PROMPTS[:4])]
+    async with running_engine(tiny_model, **SETTINGS) as engine:
+        usual = await _serve(engine, requests)
+    async with running_engine(tiny_model, async_scheduling=True, **SETTINGS) as engine:
+        backend = engine._loop.backend
+        real_execute = backend.execute
+        poisoned = {"done": False}
+
+        def poison_once(plan: StepPlan) -> Any:
+            out = real_execute(plan)
+            rows = [j for j, c in enumerate(plan.chunks) if c.request.params.max_tokens == 21]  # the victim's
+            if not poisoned["done"] and isinstance(out, PendingTokens) and rows and len(
+                    plan.chunks[rows[0]].request.output_token_ids) >= 5:
+                poisoned["done"] = True
+                wait = out.wait
+                return PendingTokens(lambda: DeviceTokens([-1 if j in rows else t
+                                                           for j, t in enumerate(wait().token_ids)]))
+            return out
+
+        backend.execute = poison_once
+        results: dict[int, Any] = {}
+
+        async def one(k: int) -> None:
+            prompt, params = requests[k]
+            try:
+                results[k] = (await engine.generate(prompt, **params)).token_ids
+            except EngineError as exc:
+                results[k] = exc
+
+        async with anyio.create_task_group() as tg:
+            for k in range(4):
+                tg.start_soon(one, k)
+        stats = await until_idle(engine)
+    assert poisoned["done"] and isinstance(results[1], EngineError) and "non-finite" in str(results[1])
+    assert [results[k] for k in (0, 2, 3)] == [usual[k][0] for k in (0, 2, 3)]
+    assert stats["chained_decode_steps"] > 0 and stats["num_failed"] == 1 and stats["kv_blocks_used"] == 0
 
 
 async def test_out_of_memory_in_an_ahead_step_shrinks_the_batch(tiny_model) -> None:

@@ -275,7 +275,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     async_scheduling: Annotated[bool, _help(
         "`paged`: plan each decode step while the one before runs (vLLM's async scheduling, SGLang's overlap "
         "scheduler), so the step's host work (applying its output, streaming, planning) is off the model's "
-        "critical path; the next step's input tokens are handed over on the model thread. Chains plain decode "
+        "critical path; the next step's input tokens are handed over on the model thread (on CUDA, where the "
+        "graphs draw them, on the device: the next step is queued before they reach the host). Chains plain decode "
         "steps only (no waiting request, grammar, penalties, min_tokens, logit_bias, prompt logprobs, "
         "speculation, sliding window or kv_compression; those steps plan as usual). A request that stops on EOS "
         "or a stop string computes one token more, which is dropped, and a new request is admitted one step "

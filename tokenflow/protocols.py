@@ -39,6 +39,7 @@ __all__ = (
     "KVTier",
     "ModelBackend",
     "NextStage",
+    "PendingTokens",
     "PrefixHit",
     "RecoveringScheduler",
     "RequestStage",
@@ -128,6 +129,7 @@ class AheadInput:
     position: int
     block_table: list[int]
     token: int = -1
+    device_row: int = -1  # else: the row of the step before whose token, still on the device, is the input
 
 
 @dataclass
@@ -242,6 +244,17 @@ class GreedyTokens:
     token_ids: list[int]
 
 
+class PendingTokens:
+    """A step's tokens drawn on the device whose copy to the host is still under way (with async scheduling, the
+    next step is queued on the device before they arrive and takes them as its inputs there: `AheadInput.device_row`).
+    `wait()` blocks until they arrived and returns them."""
+
+    __slots__ = ("wait",)
+
+    def __init__(self, wait: Callable[[], DeviceTokens]) -> None:
+        self.wait = wait
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceTokens:
     """A step's tokens drawn on the model's device with each row's own parameters and uniform
@@ -263,6 +276,9 @@ class StepOutput:
     prompt_logprobs: list[tuple[Request, int, list[dict[int, float]]]] = field(default_factory=list)
     compressed: list[bool] = field(default_factory=list)  # per `plan.compressions`: whether its copy ran
     forward_ms: float = 0.0  # the backend's forward, as the worker timed it
+    # Steps chained on the device: `sampled` once the tokens' copy to the host ran (blocking; `ModelWorker.result`
+    # calls it off the model thread, which meanwhile queues the next step on the device)
+    pending: Callable[[], SamplerOutput] | None = None
 
 
 # (request, token, logprob, in_cache): a taken token, and whether its K/V is already in the cache

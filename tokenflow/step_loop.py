@@ -19,7 +19,12 @@ loop applies the first one's output. The ahead plan carries what the worker
 reads of its requests that changes (position, block table; `AheadInput`), so
 the event loop may update them meanwhile; the worker fills in each input token
 from the step before, and skips the plan (`AheadSkipped`) when that step drew
-none.
+none. Where the step before drew its tokens on the device (CUDA graphs), they
+stay there: the worker queues the ahead plan before they reach the host, its
+inputs taken on the device (`AheadInput.device_row`), and the step's output
+waits for them off the model thread (`StepOutput.pending`); a row that drew
+none then fails its request, and the token the queued step drew for it is
+dropped.
 
 A failed step fails the requests of that step with `EngineError`; after
 `MAX_CONSECUTIVE_FAILURES` failed steps in a row the engine is dead and every

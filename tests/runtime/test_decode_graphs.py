@@ -16,7 +16,7 @@ from tests.runtime.test_paged_runner import BLOCK, Seq, build, reference_logits
 from tokenflow.kv.block_pool import BlockPool
 from tokenflow.kv.kv_cache import KVCache
 from tokenflow.params import SamplingParams
-from tokenflow.protocols import DeviceTokens
+from tokenflow.protocols import DeviceTokens, PendingTokens
 from tokenflow.runtime.decode_graphs import MIN_CONTEXT_BLOCKS, DecodeGraphs, context_buckets
 from tokenflow.runtime.device_sampler import variant_of
 from tokenflow.runtime.paged_runner import PagedModelRunner, SeqChunk
@@ -178,3 +178,60 @@ def test_a_sampling_graph_that_cannot_be_captured_leaves_sampling_to_the_host() 
     assert attempts == ["tuple", "Tensor"]  # the sampling graph once, then the logits graph, never again
     assert not graphs.device_sampling and "capturing" in graphs.stats()["device_sampling_error"]
     assert graphs.num_device_sampled == 0 and torch.equal(generator.get_state(), state)  # no uniform drawn
+
+
+def test_steps_chained_on_the_device_take_the_tokens_of_the_step_before() -> None:
+    """Async scheduling's decode steps on the device (`defer`, `chained`): a step returns before its tokens reach
+    the host, and the step queued behind it takes them as its inputs on the device. Each step runs twice (the
+    second writes the same K/V again): given its inputs from the host, then chained on the step before; the
+    tokens are the same, through padding (5 rows in the 8-row bucket) and a row of the step before that drew
+    none (-1: it reads token 0, as its request is failed); a chained step that does not fit the fixed shapes
+    takes the tokens from the host."""
+    runner, pool, _ = runner_with_graphs()
+    graphs = runner.graphs
+    assert graphs is not None
+    greedy = [SamplingRow(SamplingParams(temperature=0.0), [], []) for _ in range(5)]
+    seqs = [Seq(list(range(3 + 9 * i, 12 + 11 * i))) for i in range(5)]
+    runner.execute([s.chunk(pool, 64) for s in seqs])
+    for s in seqs:
+        s.tokens.append(5)
+    first = runner.execute([s.chunk(pool, 1) for s in seqs], sampling=greedy, defer=True)
+    assert isinstance(first, PendingTokens)
+    for s, token in zip(seqs, first.wait().token_ids, strict=True):
+        s.tokens.append(token)
+    real_fits = graphs.fits
+    for step in range(12):
+        chunks = [s.chunk(pool, 1) for s in seqs]
+        given = runner.execute(chunks, sampling=greedy)
+        assert isinstance(given, DeviceTokens)
+        placeholders = [SeqChunk([0], c.start_pos, c.block_table, True) for c in chunks]
+        if step == 7:  # the rows past the shapes' limits: the dynamic path, its logits on the host
+            graphs.fits = lambda chunks: False  # type: ignore[method-assign]
+            logits = runner.execute(placeholders, sampling=greedy, chained=range(5), defer=True)
+            graphs.fits = real_fits  # type: ignore[method-assign]
+            assert isinstance(logits, torch.Tensor) and logits.argmax(-1).tolist() == given.token_ids
+            graphs.previous[:5] = torch.tensor(given.token_ids)
+        else:
+            chained = runner.execute(placeholders, sampling=greedy, chained=range(5), defer=True)
+            assert isinstance(chained, PendingTokens)
+            assert chained.wait().token_ids == given.token_ids, f"step {step}"
+        for s, token in zip(seqs, given.token_ids, strict=True):
+            s.tokens.append(token)
+    graphs.previous[2] = -1  # the step before drew no token for row 2
+    chunks = [s.chunk(pool, 1) for s in seqs]
+    chunks[2] = SeqChunk([0], chunks[2].start_pos, chunks[2].block_table, True)
+    given = runner.execute(chunks, sampling=greedy)
+    placeholders = [SeqChunk([0], c.start_pos, c.block_table, True) for c in chunks]
+    chained = runner.execute(placeholders, sampling=greedy, chained=range(5), defer=True)
+    assert isinstance(given, DeviceTokens) and isinstance(chained, PendingTokens)
+    assert chained.wait().token_ids == given.token_ids
+    for s, token in zip(seqs, given.token_ids, strict=True):
+        s.tokens.append(token)
+    with_logprobs = [SamplingRow(SamplingParams(temperature=0.0, logprobs=3 if j % 2 else None), [], [])
+                     for j in range(5)]
+    chunks = [s.chunk(pool, 1) for s in seqs]
+    given = runner.execute(chunks, sampling=with_logprobs)
+    deferred = runner.execute(chunks, sampling=with_logprobs, defer=True)  # the logprobs come with the tokens
+    assert isinstance(given, DeviceTokens) and isinstance(deferred, PendingTokens)
+    assert deferred.wait() == given and given.logprobs is not None and given.logprobs[1] is not None
+    assert graphs.num_chained == 12 and graphs.num_deferred == 14

@@ -22,6 +22,11 @@ adjustments (bias, min_tokens, penalties) applied first and the drawn tokens cou
 state last or not, and with the top logprobs of a width some row asks for; and one that returns the logits
 (the host samples).
 
+With async scheduling (`defer`), a step drawn without logit adjustments returns as soon as it is queued, its
+tokens' copy to the host under way (`PendingTokens`), and the step planned behind it takes them as its inputs
+on the device (`chained`): the GPU does not wait for the host between chained steps. The pinned input buffers
+are rewritten only once the last step's copy of them ran.
+
 Every (batch, context) bucket's logits graph is captured at start, largest first, into one shared
 memory pool (graphs of one engine never run at the same time); a draw's when a step first needs it.
 Graphs point at the KV cache's tensors, so the backend drops them (`release`) before an out-of-memory shrink
@@ -41,7 +46,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 import torch
 
 from tokenflow.kv.kv_cache import KVCache
-from tokenflow.protocols import DeviceTokens
+from tokenflow.protocols import DeviceTokens, PendingTokens
 from tokenflow.runtime.attention.layer import LayerAttention
 from tokenflow.runtime.attention.paged import PagedAttentionMetadata, sdpa_backends
 from tokenflow.runtime.attention.static_decode import StaticDecode
@@ -119,13 +124,19 @@ class DecodeGraphs:
         self.capture = capture
         device = kv_cache.device
         rows, blocks = self.max_rows, self.max_blocks
-        # One int64 buffer: ids | positions | slots | lengths (rows each) | block table (rows x blocks).
-        self._size = 4 * rows + rows * blocks
-        self._host = torch.empty(self._size, dtype=torch.long, pin_memory=device.type == "cuda")
+        # One int64 buffer: ids | positions | slots | lengths | chained (rows each) | block table (rows x blocks).
+        self._size = 5 * rows + rows * blocks
+        cuda = device.type == "cuda"
+        self._host = torch.empty(self._size, dtype=torch.long, pin_memory=cuda)
         self._host_np = self._host.numpy()  # numpy writes from Python lists are far cheaper than tensor ones
         self._device = torch.empty(self._size, dtype=torch.long, device=device)
-        self.ids, self.positions, self.slots, self.lengths = self._device[: 4 * rows].view(4, rows)
-        self.table = self._device[4 * rows:].view(rows, blocks)
+        self.ids, self.positions, self.slots, self.lengths, self.chained = self._device[: 5 * rows].view(5, rows)
+        self.table = self._device[5 * rows:].view(rows, blocks)
+        # Steps chained on the device (`defer`): the last such step's tokens, which the next step's rows named in
+        # `chained` take as their inputs; and when the last step's inputs were copied (the pinned buffers are
+        # rewritten only after).
+        self.previous = torch.zeros(rows, dtype=torch.long, device=device)
+        self._inputs_copied = torch.cuda.Event() if cuda else None
         self.rows = torch.arange(rows, device=device)
         self.key_positions = torch.arange(blocks * self.block_size, device=device)
         self.sampler = DeviceSampler(rows, vocab_size, device, eos_token_ids)
@@ -136,6 +147,8 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         self.num_steps = 0  # steps run at fixed shapes (replayed, or eager without graphs)
         self.num_device_sampled = 0  # of those, steps whose tokens were drawn on the device
+        self.num_deferred = 0  # ... returned before their tokens reached the host (`defer`)
+        self.num_chained = 0  # steps whose inputs were the tokens of a deferred step, taken on the device
         self.device_sampling = True  # off after a sampling graph could not be captured
         self.device_sampling_error = ""
 
@@ -147,12 +160,17 @@ class DecodeGraphs:
         limit = self.max_blocks * self.block_size
         return all(len(c.token_ids) == 1 and c.sample and c.num_logits == 1 and c.start_pos < limit for c in chunks)
 
-    def run(self, chunks: Sequence[SeqChunk], sampling: Sequence[SamplingRow] | None = None
-            ) -> torch.Tensor | DeviceTokens:
+    def run(self, chunks: Sequence[SeqChunk], sampling: Sequence[SamplingRow] | None = None,
+            chained: Sequence[int] = (), defer: bool = False) -> torch.Tensor | DeviceTokens | PendingTokens:
         """float32 logits `[len(chunks), vocab]` on the CPU, of a step that `fits`; with `sampling` (chunk
         i's row is `sampling[i]`), the rows' tokens (and asked-for logprobs) drawn on the device instead.
+        `chained[i] >= 0`: chunk i's input is that row's token of the last deferred step, taken on the device.
+        With `defer`, a step drawn without logit adjustments returns at once with its tokens' copy to the host
+        under way (`PendingTokens`), and the next step may chain on them.
         After the KV cache changed (`release`), each bucket is captured again when a step first needs it."""
         n = len(chunks)
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()  # the last step's inputs left the pinned buffers rewritten below
         rows = _bucket(n, self.batch_sizes)
         blocks = _bucket(max(-(-(c.start_pos + 1) // self.block_size) for c in chunks), self.context_sizes)
         draw = None
@@ -168,7 +186,12 @@ class DecodeGraphs:
             assert sampling is not None
             self.sampler.stage(sampling)  # the uniforms are drawn here, once the step is sure to sample here
             self.num_device_sampled += 1
-        self._stage(chunks, rows)
+        self._stage(chunks, rows, chained)
+        if any(row >= 0 for row in chained):
+            self._take_chained(rows)
+            self.num_chained += 1
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
         self.num_steps += 1
         graph, out = self._graphs.get((rows, blocks, draw), (None, None))
         try:
@@ -180,6 +203,9 @@ class DecodeGraphs:
             if draw is None:
                 assert isinstance(out, torch.Tensor)
                 return out[:n].cpu()  # a copy: the next replay overwrites `out`; it waits for the graph
+            if defer and not draw.adjusted:
+                assert isinstance(out, tuple) and sampling is not None
+                return self._deferred(out, n, sampling)
             assert isinstance(out, tuple)
             tokens = out[0][:n].tolist()  # waits for the graph: a device error shows here
             logprobs = [t[:n].tolist() for t in out[1:]]
@@ -195,13 +221,14 @@ class DecodeGraphs:
         chosen, top_v, top_i = logprobs
         return DeviceTokens(tokens, self.sampler.token_logprobs(sampling, tokens, chosen, top_v, top_i))
 
-    def _stage(self, chunks: Sequence[SeqChunk], rows: int) -> None:
+    def _stage(self, chunks: Sequence[SeqChunk], rows: int, chained: Sequence[int] = ()) -> None:
         """Pack the step's inputs (padding rows after the real ones) and copy them to the device at once.
-        The host buffer is free to rewrite: the last step's copy finished before its logits came back."""
+        The host buffer is free to rewrite: the last step's copy finished (`run` waited for it)."""
         bs, width, scratch = self.block_size, self.max_blocks, self.scratch_block
         cap = self.max_rows
-        ids, positions, slots, lengths = self._host_np[: 4 * cap].reshape(4, cap)
-        table = self._host_np[4 * cap:].reshape(cap, width)
+        ids, positions, slots, lengths, chain = self._host_np[: 5 * cap].reshape(5, cap)
+        table = self._host_np[5 * cap:].reshape(cap, width)
+        chain[: len(chunks)] = chained if chained else -1
         for i, c in enumerate(chunks):
             pos = c.start_pos
             ids[i] = c.token_ids[0]
@@ -218,12 +245,50 @@ class DecodeGraphs:
     def _pad(self, start: int, end: int) -> None:
         """Rows `start:end` of the host buffer: token 0 at position 0 in the scratch block."""
         cap = self.max_rows
-        ids, positions, slots, lengths = self._host_np[: 4 * cap].reshape(4, cap)
+        ids, positions, slots, lengths, chain = self._host_np[: 5 * cap].reshape(5, cap)
         ids[start:end] = 0
         positions[start:end] = 0
         slots[start:end] = self.scratch_block * self.block_size
         lengths[start:end] = 1
-        self._host_np[4 * cap:].reshape(cap, self.max_blocks)[start:end] = self.scratch_block
+        chain[start:end] = -1
+        self._host_np[5 * cap:].reshape(cap, self.max_blocks)[start:end] = self.scratch_block
+
+    def _take_chained(self, rows: int) -> None:
+        """Device work before the step: each chained row's input becomes the last deferred step's token of the
+        row it names (a row that drew none, -1, reads token 0: its request ends with that failure, and this
+        row's output is dropped)."""
+        chain, ids = self.chained[:rows], self.ids[:rows]
+        ids.copy_(torch.where(chain >= 0, self.previous[chain.clamp(min=0)].clamp(min=0), ids))
+
+    def _deferred(self, out: tuple[torch.Tensor, ...], n: int, sampling: Sequence[SamplingRow]) -> PendingTokens:
+        """The step's `n` tokens kept for the next step to chain on, and they (and their logprobs) copied to the
+        host without waiting: into pinned memory (`to(non_blocking=True)`), read once the copy's event passed."""
+        self.num_deferred += 1
+        tokens = out[0]
+        self.previous[:n].copy_(tokens[:n])
+        cuda = tokens.is_cuda
+        copies = [t[:n].to("cpu", non_blocking=True) if cuda else t[:n].clone() for t in out]
+        arrived = None
+        if cuda:
+            arrived = torch.cuda.Event()
+            arrived.record()
+        rows = list(sampling)
+
+        def wait() -> DeviceTokens:
+            if arrived is not None:
+                arrived.synchronize()  # a device error in the step shows here
+            ids = copies[0].tolist()
+            if len(copies) == 1:
+                return DeviceTokens(ids)
+            chosen, top_v, top_i = (c.tolist() for c in copies[1:])
+            return DeviceTokens(ids, DeviceSampler.token_logprobs(rows, ids, chosen, top_v, top_i))
+
+        return PendingTokens(wait)
+
+    def chained_tokens(self, rows: Sequence[int]) -> list[int]:
+        """The last deferred step's tokens of `rows`, on the host (waits for that step): for a chained step that
+        does not fit the fixed shapes."""
+        return self.previous[list(rows)].tolist()
 
     def _forward(self, rows: int, blocks: int) -> torch.Tensor:
         """The fixed-shape decode over the device buffers; float32 logits `[rows, vocab]`."""
@@ -335,5 +400,6 @@ class DecodeGraphs:
     def stats(self) -> dict[str, float | int]:
         return {"cuda_graphs": len(self._graphs), "cuda_graph_capture_s": round(self.capture_seconds, 2),
                 "fixed_shape_decode_steps": self.num_steps, "device_sampled_steps": self.num_device_sampled,
+                "deferred_decode_steps": self.num_deferred, "chained_decode_steps": self.num_chained,
                 "cuda_graphs_off_after_oom": self.capture_disabled_by_oom,
                 **({"device_sampling_error": self.device_sampling_error} if self.device_sampling_error else {})}

@@ -19,13 +19,13 @@ import contextlib
 import inspect
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from tokenflow.errors import ModelLoadError
 from tokenflow.kv.kv_cache import KVCache
-from tokenflow.protocols import DeviceTokens
+from tokenflow.protocols import DeviceTokens, PendingTokens
 from tokenflow.runtime.attention.layer import LayerAttention, choose_attention
 from tokenflow.runtime.attention.paged import (
     ATTENTION_NAME,
@@ -335,14 +335,21 @@ class PagedModelRunner:
 
     # ------------------------------------------------------------------ step
     def execute(self, chunks: Sequence[SeqChunk], greedy: bool = False,
-                sampling: Sequence[SamplingRow] | None = None) -> torch.Tensor | GreedyTokens | DeviceTokens:
+                sampling: Sequence[SamplingRow] | None = None, chained: Sequence[int] = (), defer: bool = False
+                ) -> torch.Tensor | GreedyTokens | DeviceTokens | PendingTokens:
         """One forward over `chunks`; returns float32 logits `[rows, vocab]` on the CPU (the sampler runs
         there): `num_logits` rows per sampling chunk, in chunk order. With `greedy` (each chunk samples one
         row, its argmax, and nothing else reads its logits), the rows' tokens where the fused layers' greedy
         head settles them. With `sampling` (chunk i's sampling row), a step of the fixed-shape
-        decode draws its tokens on the device."""
+        decode draws its tokens on the device; `chained` and `defer` as `DecodeGraphs.run` (a chained step that
+        does not fit its shapes takes the tokens it chains on from the host)."""
         if self.graphs is not None and self.graphs.fits(chunks):
-            return self.graphs.run(chunks, sampling)
+            return self.graphs.run(chunks, sampling, chained, defer)
+        if any(row >= 0 for row in chained):
+            assert self.graphs is not None
+            tokens = self.graphs.chained_tokens([max(row, 0) for row in chained])
+            chunks = [replace(c, token_ids=[max(tokens[i], 0)]) if row >= 0 else c
+                      for i, (c, row) in enumerate(zip(chunks, chained, strict=True))]
         if self.step_graphs is not None and self.step_graphs.fits(chunks):
             return self.step_graphs.run(chunks)
         step = self.prepare(chunks, self.kv_cache)

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from tokenflow.protocols import StepPlan
 
 __all__ = ("GREEDY_EPS", "GreedyTokens", "RowFailure", "Sampler", "SamplerOutput", "SamplingRow", "adjusts_logits",
-           "argmax_only", "draw_uniforms", "has_penalty", "inverse_cdf", "make_generator", "plain_greedy", "row_of")
+           "argmax_only", "draw_uniforms", "has_penalty", "inverse_cdf", "make_generator", "plain_greedy", "row_of",
+           "tokens_output")
 
 GREEDY_EPS = 1e-5  # as vLLM: dividing by a smaller temperature overflows fp32, so treat it as greedy
 _STAGES = (64, 1024, 8192)  # candidate counts tried before a full sort for top-k / top-p rows
@@ -98,6 +99,14 @@ def row_of(request: Request) -> SamplingRow:
     )
 
 
+def tokens_output(tokens: GreedyTokens | DeviceTokens) -> SamplerOutput:
+    """The sampler's output for rows a backend settled (`Sampler.greedy_output`); touches no sampler state, so it
+    may run off the model thread."""
+    failed = {i: RowFailure(_NON_FINITE, model_fault=True) for i, t in enumerate(tokens.token_ids) if t < 0}
+    logprobs = tokens.logprobs if isinstance(tokens, DeviceTokens) else None
+    return SamplerOutput(list(tokens.token_ids), logprobs, failed)
+
+
 class Sampler:
     """Samples one token per row. Keeps reusable scratch buffers (fresh `[rows, vocab]` blocks are
     mmapped, so they would page-fault on every step), so use one Sampler per step loop:
@@ -137,10 +146,12 @@ class Sampler:
     def greedy_output(self, tokens: GreedyTokens | DeviceTokens) -> SamplerOutput:
         """`sample`'s output for rows a backend settled as `GreedyTokens` or `DeviceTokens` (the failure a
         row with non-finite logits gets from `sample`)."""
+        self.forget_draws()
+        return tokens_output(tokens)
+
+    def forget_draws(self) -> None:
+        """This step's rows were not drawn here: nothing to draw again (`redraw`)."""
         self._drawn = None
-        failed = {i: RowFailure(_NON_FINITE, model_fault=True) for i, t in enumerate(tokens.token_ids) if t < 0}
-        logprobs = tokens.logprobs if isinstance(tokens, DeviceTokens) else None
-        return SamplerOutput(list(tokens.token_ids), logprobs, failed)
 
     def redrawable(self, row: int) -> bool:
         """Whether `redraw` can draw row `row` of the last `sample` again (a row drawn at random without

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+import anyio.to_thread
 import torch
 
 from tokenflow.errors import InvalidRequest
@@ -28,6 +29,7 @@ from tokenflow.protocols import (
     DeviceTokens,
     EmbeddingBackend,
     GreedyTokens,
+    PendingTokens,
     RowFailure,
     SamplerOutput,
     ScheduledChunk,
@@ -43,7 +45,7 @@ from tokenflow.runtime.cpu.core_share import CoreSharing
 from tokenflow.runtime.loader import LoadedModel
 from tokenflow.runtime.model_thread import ModelJob, ModelThread
 from tokenflow.runtime.pooling import Pooling, pool
-from tokenflow.runtime.sampler import Sampler, SamplingRow, row_of
+from tokenflow.runtime.sampler import Sampler, SamplingRow, row_of, tokens_output
 from tokenflow.structured.bitmask import MaskFiller, StepMasks, fill_masks, masked_first
 from tokenflow.structured.drafts import masked_draft_argmax
 
@@ -76,6 +78,7 @@ class ModelWorker:
         self.num_greedy_head_steps = 0  # steps whose tokens the backend gave without logits (GreedyTokens)
         self.last_forward_ms = 0.0
         self._last_tokens: dict[Request, int] = {}  # the last step's token per request: an ahead plan's inputs
+        self._device_rows: dict[Request, int] = {}  # ... or, where they stayed on the device, its row of each
 
     # -- called on the event loop ------------------------------------------------------------
     async def step(self, plan: StepPlan) -> StepOutput:
@@ -91,9 +94,14 @@ class ModelWorker:
 
     async def result(self, job: ModelJob) -> StepOutput:
         """A submitted step's output; `DeviceOutOfMemory` when the device ran out of memory, `AheadSkipped` when
-        an ahead plan lacked a token from the step before."""
+        an ahead plan lacked a token from the step before. A step whose tokens are still on their way from the
+        device is waited for on a helper thread, while the model thread queues the next one."""
         try:
-            return cast(StepOutput, await self.model_thread.result(job))
+            output = cast(StepOutput, await self.model_thread.result(job))
+            if output.pending is not None:
+                output.sampled = await anyio.to_thread.run_sync(output.pending)
+                output.pending = None
+            return output
         except torch.OutOfMemoryError as exc:
             raise DeviceOutOfMemory(str(exc)) from exc
 
@@ -150,12 +158,16 @@ class ModelWorker:
         """Forward + sample (+ the argmax after each draft token). Constrained rows' masks are filled on the
         mask worker while the forward pass runs. An ahead plan's inputs are the tokens the step before drew."""
         last_tokens, self._last_tokens = self._last_tokens, {}  # a failed step leaves none for the plan behind it
+        device_rows, self._device_rows = self._device_rows, {}
         for chunk in plan.chunks:
             if chunk.ahead is not None:
                 token = last_tokens.get(chunk.request)
-                if token is None:
+                if token is not None:
+                    chunk.ahead.token = token
+                elif chunk.request in device_rows:  # the backend takes it there, without waiting for it
+                    chunk.ahead.device_row = device_rows[chunk.request]
+                else:
                     raise AheadSkipped(f"the step before drew no token for {chunk.request.request_id}")
-                chunk.ahead.token = token
         if self._threads and self._threads != torch.get_num_threads():
             torch.set_num_threads(self._threads)
         compressed = [self._compress(job) for job in plan.compressions]
@@ -165,6 +177,9 @@ class ModelWorker:
         output = self._forward_and_sample(plan, sampling)
         output.compressed = compressed
         output.forward_ms = self.last_forward_ms
+        if output.pending is not None:
+            self._device_rows = {c.request: j for j, c in enumerate(sampling)}
+            return output
         sampled = output.sampled
         self._last_tokens = {c.request: sampled.token_ids[j] for j, c in enumerate(sampling)
                              if j not in sampled.failed and not c.draft}
@@ -199,6 +214,11 @@ class ModelWorker:
             masks = filling.result() if filling is not None else None  # never leave the worker mid-fill
         self.last_forward_ms = (time.perf_counter() - t0) * 1e3
         rows = [row_of(c.request) for c in sampling]
+        if isinstance(logits, PendingTokens):  # drawn on the device, still on their way (`StepOutput.pending`)
+            self.sampler.forget_draws()
+            pending = logits
+            return StepOutput(SamplerOutput([], None), [[] for _ in rows],
+                              pending=lambda: tokens_output(pending.wait()))
         if isinstance(logits, GreedyTokens | DeviceTokens):  # tokens the backend settled without logits
             if isinstance(logits, GreedyTokens):
                 self.num_greedy_head_steps += 1

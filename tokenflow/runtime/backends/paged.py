@@ -19,7 +19,7 @@ from tokenflow.config import DEFAULT_BATCH_TOKENS, EngineConfig
 from tokenflow.errors import ModelLoadError
 from tokenflow.hub.cache import tokenflow_home
 from tokenflow.kv.kv_cache import KVCache
-from tokenflow.protocols import DeviceTokens, EngineContext, StepPlan
+from tokenflow.protocols import DeviceTokens, EngineContext, PendingTokens, StepPlan
 from tokenflow.runtime.compiled import compile_mlps, decode_buckets, padded_size
 from tokenflow.runtime.cpu.packed_linear import pack_linears
 from tokenflow.runtime.cpu.rms_norm import fuse_rms_norms
@@ -323,17 +323,19 @@ class PagedBackend:
         assert self.runner is not None
         self.runner.compress(window, table, keep, sinks)
 
-    def execute(self, plan: StepPlan) -> torch.Tensor | GreedyTokens | DeviceTokens:
+    def execute(self, plan: StepPlan) -> torch.Tensor | GreedyTokens | DeviceTokens | PendingTokens:
         """Blocking: one forward; logits in plan order, `num_logit_rows` rows per chunk (one per sampling
         chunk plus one per draft token, and every row of a chunk that scores prompt tokens). For an
         `argmax_only` plan, the rows' tokens instead where the fused layers' greedy head settles them; for
         a decode step at fixed shapes whose rows the device sampler takes, the tokens it drew."""
         assert self.runner is not None
         chunks = []
+        chained = [c.ahead.device_row if c.ahead is not None else -1 for c in plan.chunks]
         for c in plan.chunks:
             r = c.request
             if c.ahead is not None:  # planned before the step before ran: the request itself may have moved on
-                chunks.append(SeqChunk([c.ahead.token], c.ahead.position, c.ahead.block_table, True, 1, 0, r.adapter))
+                token = c.ahead.token if c.ahead.device_row < 0 else 0  # else taken on the device
+                chunks.append(SeqChunk([token], c.ahead.position, c.ahead.block_table, True, 1, 0, r.adapter))
                 continue
             start = r.num_computed_tokens
             known = c.num_tokens - len(c.draft)
@@ -350,9 +352,13 @@ class PagedBackend:
         if self.buckets and decode_only:  # pad to a static batch size
             pad = padded_size(len(chunks), self.buckets) - len(chunks)
             chunks.extend(SeqChunk([0], 0, [self.scratch_block], False) for _ in range(pad))
+            chained.extend([-1] * pad)
         # only decode-only steps run at fixed shapes (`DecodeGraphs.fits`), where the device may sample
         sampling = device_rows(plan) if self.runner.graphs is not None and decode_only else None
-        return self.runner.execute(chunks, greedy=argmax_only(plan), sampling=sampling)
+        # with async scheduling, device-drawn tokens stay on the device for the step queued behind this one
+        return self.runner.execute(chunks, greedy=argmax_only(plan), sampling=sampling,
+                                   chained=chained if any(row >= 0 for row in chained) else (),
+                                   defer=self.config.async_scheduling)
 
     def warmup_batch_sizes(self) -> list[int]:
         """Decode batch sizes worth a warm-up: every bucket when compiled, else one and a full batch."""
