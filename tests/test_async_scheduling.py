@@ -171,9 +171,10 @@ async def test_a_cancelled_stream_ends_only_itself(tiny_model, decode_path: str)
         assert decode_path == "dynamic" or stats["chained_decode_steps"] > 0
 
 
-async def test_a_failed_ahead_step_fails_its_requests_and_the_engine_carries_on(tiny_model) -> None:
+async def test_a_failed_ahead_step_fails_its_requests_and_the_engine_carries_on(tiny_model, decode_path: str
+                                                                                 ) -> None:
     """The fifth decode step raises: its requests get `EngineError`, the step queued behind it is skipped (no
-    token to run on), and the engine then serves new requests as before."""
+    token to run on, on the host or the device), and the engine then serves new requests as before."""
     async with running_engine(tiny_model, async_scheduling=True, **SETTINGS) as engine:
         expected = (await engine.generate("after the fault", max_tokens=12, temperature=0.0,
                                           ignore_eos=True)).token_ids
@@ -300,9 +301,10 @@ async def test_a_row_that_drew_no_token_on_the_device_fails_alone(tiny_model, mo
     assert stats["chained_decode_steps"] > 0 and stats["num_failed"] == 1 and stats["kv_blocks_used"] == 0
 
 
-async def test_out_of_memory_in_an_ahead_step_shrinks_the_batch(tiny_model) -> None:
-    """A device out of memory (simulated) in any ahead step of more than two rows: the batch shrinks
-    (preempting half, which recompute) and everyone still gets the usual answer."""
+async def test_out_of_memory_in_an_ahead_step_shrinks_the_batch(tiny_model, decode_path: str) -> None:
+    """A device out of memory (simulated) in any ahead step of more than two rows (on the device: chained on
+    the step before): the batch shrinks (preempting half, which recompute) and everyone still gets the usual
+    answer."""
     requests = [(f"prompt {i}", dict(temperature=0.0, max_tokens=12, ignore_eos=True)) for i in range(6)]
     async with running_engine(tiny_model, **SETTINGS) as engine:
         usual = await _serve(engine, requests)
