@@ -191,7 +191,7 @@ class DecodeGraphs:
             self._take_chained(rows)
             self.num_chained += 1
         if self._inputs_copied is not None:
-            self._inputs_copied.record()
+            self._inputs_copied.record(torch.cuda.current_stream(self.kv_cache.device))
         self.num_steps += 1
         graph, out = self._graphs.get((rows, blocks, draw), (None, None))
         try:
@@ -271,7 +271,7 @@ class DecodeGraphs:
         arrived = None
         if cuda:
             arrived = torch.cuda.Event()
-            arrived.record()
+            arrived.record(torch.cuda.current_stream(tokens.device))
         rows = list(sampling)
 
         def wait() -> DeviceTokens:
