@@ -598,7 +598,8 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--checks", default="load,oracle_tiny,oracle_bf16,oracle_fp32,oracle_fp32_triton,"
                                             "oracle_bf16_eager,sampling,shapes,out_of_memory,speed,profile,int8")
-    parser.add_argument("--speed-variants", default="graphs,graphs-triton,graphs-async,eager,graphs-512",
+    parser.add_argument("--speed-variants",
+                        default="graphs,graphs-triton,graphs-triton-async,graphs-async,eager,graphs-512",
                         help=f"of {', '.join(SPEED_VARIANTS)}")
     parser.add_argument("--concurrency", default="16,1")
     parser.add_argument("--no-naive", action="store_true", help="skip naive transformers in the speed check")
