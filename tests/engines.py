@@ -11,6 +11,7 @@ import anyio
 import torch
 
 from tokenflow import Engine
+from tokenflow.protocols import DeviceTokens, PendingTokens
 from tokenflow.runtime.sampler import GreedyTokens
 
 __all__ = ("poison_rows", "running_engine", "stage_of", "until_idle")
@@ -41,11 +42,18 @@ async def until_idle(engine: Engine, limit_s: float = 10.0) -> dict[str, Any]:
     return s
 
 
-def poison_rows(out: torch.Tensor | GreedyTokens, rows: list[int]) -> torch.Tensor | GreedyTokens:
+Output = torch.Tensor | GreedyTokens | DeviceTokens | PendingTokens
+
+
+def poison_rows(out: Output, rows: list[int]) -> Output:
     """A backend's step output with sampling rows `rows` made a model fault: NaN logits, or, for a step the
-    backend gave as tokens, the -1 it reports for a row whose logits are not finite."""
-    if isinstance(out, GreedyTokens):
-        return GreedyTokens([-1 if j in rows else t for j, t in enumerate(out.token_ids)])
+    backend gave as tokens (drawn on the device, or still on their way from it), the -1 it reports for a row
+    whose logits are not finite."""
+    if isinstance(out, PendingTokens):
+        wait = out.wait
+        return PendingTokens(lambda: DeviceTokens([-1 if j in rows else t for j, t in enumerate(wait().token_ids)]))
+    if isinstance(out, GreedyTokens | DeviceTokens):
+        return type(out)([-1 if j in rows else t for j, t in enumerate(out.token_ids)])
     with torch.inference_mode():
         for j in rows:
             out[j] = float("nan")
