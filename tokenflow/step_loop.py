@@ -229,7 +229,8 @@ class StepLoop:
                           ahead_job: ModelJob | None) -> StepOutput | None:
         """The output of `plan`'s step; None when it did not run (its requests were failed, or, after a device
         out-of-memory, the next step made smaller). An ahead plan queued behind a step that did not run
-        finds no tokens and is skipped: that is awaited first, so nothing runs on the model thread meanwhile."""
+        finds no tokens and is skipped (one chained on the device ran: its output is dropped, as its requests are
+        those failed): that is awaited first, so nothing runs on the model thread meanwhile."""
         try:
             return await self.worker.result(job)
         except Exception as exc:

@@ -77,14 +77,16 @@ def capture_graph(device: torch.device, step: Callable[[bool], T], pool: tuple[i
                   ) -> tuple[torch.cuda.CUDAGraph, T]:
     """`step` captured as a CUDA graph into `pool`, after one warm-up run on a side stream outside the graph
     (lazy initialisation: cuBLAS handles, workspaces, Triton's compiles); `step(record)` is told which run
-    counts (the warm-up's False). Returns the graph and the captured run's output (its buffers)."""
+    counts (the warm-up's False). Returns the graph and the captured run's output (its buffers). Captured in
+    "thread_local" mode: another thread's CUDA calls meanwhile (a chained step's tokens waited for on a helper
+    thread) would invalidate a "global" capture."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream), torch.inference_mode():
         step(False)
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), torch.inference_mode():
         out = step(True)
     return graph, out
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+import anyio
 import anyio.to_thread
 import torch
 
@@ -79,6 +80,9 @@ class ModelWorker:
         self.last_forward_ms = 0.0
         self._last_tokens: dict[Request, int] = {}  # the last step's token per request: an ahead plan's inputs
         self._device_rows: dict[Request, int] = {}  # ... or, where they stayed on the device, its row of each
+        # its own thread for waiting on such tokens: on the shared pool, callers' blocking calls could take every
+        # thread and stop the steps that would end them
+        self._arrivals: anyio.CapacityLimiter | None = None
 
     # -- called on the event loop ------------------------------------------------------------
     async def step(self, plan: StepPlan) -> StepOutput:
@@ -99,7 +103,9 @@ class ModelWorker:
         try:
             output = cast(StepOutput, await self.model_thread.result(job))
             if output.pending is not None:
-                output.sampled = await anyio.to_thread.run_sync(output.pending)
+                if self._arrivals is None:
+                    self._arrivals = anyio.CapacityLimiter(1)
+                output.sampled = await anyio.to_thread.run_sync(output.pending, limiter=self._arrivals)
                 output.pending = None
             return output
         except torch.OutOfMemoryError as exc:
