@@ -166,7 +166,8 @@ class DecodeGraphs:
             chained: Sequence[int] = (), defer: bool = False) -> torch.Tensor | DeviceTokens | PendingTokens:
         """float32 logits `[len(chunks), vocab]` on the CPU, of a step that `fits`; with `sampling` (chunk
         i's row is `sampling[i]`), the rows' tokens (and asked-for logprobs) drawn on the device instead.
-        `chained[i] >= 0`: chunk i's input is that row's token of the last deferred step, taken on the device.
+        `chained[i] >= 0` (when given): chunk i's input is that row's token of the last deferred step, taken on the
+        device (its own token is a placeholder).
         With `defer`, a step drawn without logit adjustments returns at once with its tokens' copy to the host
         under way (`PendingTokens`), and the next step may chain on them.
         After the KV cache changed (`release`), each bucket is captured again when a step first needs it."""
@@ -189,7 +190,7 @@ class DecodeGraphs:
             self.sampler.stage(sampling)  # the uniforms are drawn here, once the step is sure to sample here
             self.num_device_sampled += 1
         self._stage(chunks, rows, chained)
-        if any(row >= 0 for row in chained):
+        if chained:
             self._take_chained(rows)
             self.num_chained += 1
         if self._inputs_copied is not None:

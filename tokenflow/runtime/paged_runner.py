@@ -345,11 +345,11 @@ class PagedModelRunner:
         does not fit its shapes takes the tokens it chains on from the host)."""
         if self.graphs is not None and self.graphs.fits(chunks):
             return self.graphs.run(chunks, sampling, chained, defer)
-        if any(row >= 0 for row in chained):
+        if chained:
             assert self.graphs is not None
-            tokens = self.graphs.chained_tokens([max(row, 0) for row in chained])
-            chunks = [replace(c, token_ids=[max(tokens[i], 0)]) if row >= 0 else c
-                      for i, (c, row) in enumerate(zip(chunks, chained, strict=True))]
+            tokens = iter(self.graphs.chained_tokens([row for row in chained if row >= 0]))
+            chunks = [replace(c, token_ids=[max(next(tokens), 0)]) if row >= 0 else c
+                      for c, row in zip(chunks, chained, strict=True)]
         if self.step_graphs is not None and self.step_graphs.fits(chunks):
             return self.step_graphs.run(chunks)
         step = self.prepare(chunks, self.kv_cache)

@@ -82,7 +82,7 @@ class ModelWorker:
         self._device_rows: dict[Request, int] = {}  # ... or, where they stayed on the device, its row of each
         # its own thread for waiting on such tokens: on the shared pool, callers' blocking calls could take every
         # thread and stop the steps that would end them
-        self._arrivals: anyio.CapacityLimiter | None = None
+        self._arrivals = anyio.CapacityLimiter(1)
 
     # -- called on the event loop ------------------------------------------------------------
     async def step(self, plan: StepPlan) -> StepOutput:
@@ -103,8 +103,6 @@ class ModelWorker:
         try:
             output = cast(StepOutput, await self.model_thread.result(job))
             if output.pending is not None:
-                if self._arrivals is None:
-                    self._arrivals = anyio.CapacityLimiter(1)
                 output.sampled = await anyio.to_thread.run_sync(output.pending, limiter=self._arrivals)
                 output.pending = None
             return output

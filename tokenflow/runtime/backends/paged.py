@@ -330,12 +330,14 @@ class PagedBackend:
         a decode step at fixed shapes whose rows the device sampler takes, the tokens it drew."""
         assert self.runner is not None
         chunks = []
+        # with async scheduling, inputs the step before drew on the device and left there (`DecodeGraphs.run`)
         chained = [c.ahead.device_row if c.ahead is not None else -1 for c in plan.chunks]
+        if max(chained, default=-1) < 0:
+            chained = []
         for c in plan.chunks:
             r = c.request
             if c.ahead is not None:  # planned before the step before ran: the request itself may have moved on
-                token = c.ahead.token if c.ahead.device_row < 0 else 0  # else taken on the device
-                chunks.append(SeqChunk([token], c.ahead.position, c.ahead.block_table, True, 1, 0, r.adapter))
+                chunks.append(SeqChunk([c.ahead.token], c.ahead.position, c.ahead.block_table, True, 1, 0, r.adapter))
                 continue
             start = r.num_computed_tokens
             known = c.num_tokens - len(c.draft)
@@ -352,12 +354,12 @@ class PagedBackend:
         if self.buckets and decode_only:  # pad to a static batch size
             pad = padded_size(len(chunks), self.buckets) - len(chunks)
             chunks.extend(SeqChunk([0], 0, [self.scratch_block], False) for _ in range(pad))
-            chained.extend([-1] * pad)
+            if chained:
+                chained.extend([-1] * pad)
         # only decode-only steps run at fixed shapes (`DecodeGraphs.fits`), where the device may sample
         sampling = device_rows(plan) if self.runner.graphs is not None and decode_only else None
         # with async scheduling, device-drawn tokens stay on the device for the step queued behind this one
-        return self.runner.execute(chunks, greedy=argmax_only(plan), sampling=sampling,
-                                   chained=chained if any(row >= 0 for row in chained) else (),
+        return self.runner.execute(chunks, greedy=argmax_only(plan), sampling=sampling, chained=chained,
                                    defer=self.config.async_scheduling)
 
     def warmup_batch_sizes(self) -> list[int]:

@@ -22,7 +22,7 @@
 typedef float vec16 __attribute__((vector_size(64)));                    /* 16 floats, 64-byte aligned */
 typedef float vec16_unaligned __attribute__((vector_size(64), aligned(4)));
 #define PREFILL_ROWS 6                                 /* query rows per tile: 6 x 2 score accumulators */
-#define KEY_TILE 32                                    /* keys per score tile: two vectors */
+#define KEY_TILE 32 /* keys per score tile: two vectors (paged_prefill_bf16 takes two tiles at once where it can) */
 #define HEAD_VECS (HEAD_DIM / 16)
 /* rows per weighted-value pass: ~24 accumulators, at most a tile */
 #define VALUE_ROWS (24 / HEAD_VECS < 1 ? 1 : 24 / HEAD_VECS > PREFILL_ROWS ? PREFILL_ROWS : 24 / HEAD_VECS)
